@@ -1,0 +1,292 @@
+"""DINO: self-distillation with no labels (Caron et al., "Emerging Properties in Self-Supervised
+Vision Transformers", ICCV 2021).
+
+Idea. A student network is trained to predict, from every crop of an image, the output
+distribution that a teacher network gives on the two large (global) crops of the same image. The
+teacher is not trained: it is an exponential moving average (EMA) of the student. Collapse is
+avoided by centering the teacher's outputs (a running mean subtracted before the softmax) and
+sharpening them (a low teacher temperature).
+
+Loss (paper Eq. 3, as the authors' code computes it). With student temperature tau_s = 0.1,
+teacher temperature tau_t, center c and crops V (2 global + N local):
+
+    P_t(x) = softmax((g_t(x) - c) / tau_t)          (no gradient)
+    P_s(x) = softmax(g_s(x) / tau_s)
+    L = 1 / (2 |V| - 2) * sum_{x in {x1_g, x2_g}} sum_{x' in V, x' != x} mean_batch H(P_t(x), P_s(x'))
+
+    with H(a, b) = -sum_k a_k log b_k;  after the step  c <- 0.9 c + 0.1 mean_{batch, x in globals} g_t(x)
+
+Where the paper's text and the authors' code differ, this file follows the code:
+  * the loss is the *mean* over the 2|V| - 2 (teacher, student) crop pairs, not the sum;
+  * the teacher temperature defaults to a constant 0.04 (`--warmup_teacher_temp_epochs 0`); the
+    paper's 0.04 -> 0.07 over 30 epochs is the longer recipe in the README;
+  * gradient clipping is per parameter tensor (each clipped to norm 3.0), not global;
+  * position embeddings of local crops are interpolated with DINO's own bicubic formula
+    (`common.ViT`), which timm's default resampling does not reproduce.
+Other choices of this file: the loss is written as one [2, |V|] matrix of pairwise
+cross-entropies (an einsum) instead of a double Python loop; losses are computed in float32 under
+mixed precision.
+"""
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+
+
+# ================================================================================================
+# Arguments (defaults: the authors' main_dino.py; the paper's advice in the help strings)
+# ================================================================================================
+def get_args_parser():
+    p = argparse.ArgumentParser("dino.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    common.add_backbone_args(p, arch="vit_small", drop_path_rate=0.1)
+
+    g = p.add_argument_group("DINO head and loss")
+    g.add_argument("--out_dim", default=65536, type=int,
+                   help="K, the number of prototypes; 65536 works well for ViT-S/16 on ImageNet")
+    g.add_argument("--norm_last_layer", default=True, type=common.bool_flag,
+                   help="freeze the gain of the weight-normalised last layer (stabler; set false for "
+                        "better ViT-S performance if training is stable)")
+    g.add_argument("--use_bn_in_head", default=False, type=common.bool_flag,
+                   help="batch norm in the head MLP (not with ViTs)")
+    g.add_argument("--momentum_teacher", default=0.996, type=float,
+                   help="EMA momentum base, cosine to 1; use 0.9995 with batches of 256 or less")
+    g.add_argument("--warmup_teacher_temp", default=0.04, type=float, help="teacher temperature at epoch 0")
+    g.add_argument("--teacher_temp", default=0.04, type=float,
+                   help="teacher temperature after warmup; above 0.07 training becomes unstable")
+    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=int,
+                   help="epochs of linear teacher-temperature warmup (the paper: 30, with --teacher_temp 0.07)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch_size_per_gpu", default=64, type=int, help="images per process")
+    g.add_argument("--epochs", default=100, type=int)
+    g.add_argument("--lr", default=0.0005, type=float, help="peak lr at total batch 256 (linear scaling)")
+    g.add_argument("--min_lr", default=1e-6, type=float, help="lr at the end of the cosine schedule")
+    g.add_argument("--warmup_epochs", default=10, type=int, help="linear lr warmup from 0")
+    g.add_argument("--weight_decay", default=0.04, type=float, help="weight decay at the start (cosine)")
+    g.add_argument("--weight_decay_end", default=0.4, type=float, help="weight decay at the end")
+    g.add_argument("--clip_grad", default=3.0, type=float, help="per-parameter gradient norm clip (0 = off)")
+    g.add_argument("--freeze_last_layer", default=1, type=int,
+                   help="epochs during which the head's last layer is not updated (helps early training)")
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (ViT) or sgd")
+
+    common.add_multicrop_args(p)
+    common.add_data_args(p)
+    common.add_run_args(p, saveckp_freq=20)
+    return p
+
+
+# ================================================================================================
+# Loss
+# ================================================================================================
+class DINOLoss(nn.Module):
+    """Cross-entropy between the centered, sharpened teacher distribution of each global crop and
+    the student distribution of every *other* crop, averaged over the 2*ncrops - 2 pairs."""
+
+    def __init__(self, out_dim, ncrops, warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs,
+                 nepochs, student_temp=0.1, center_momentum=0.9):
+        super().__init__()
+        self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
+        self.register_buffer("center", torch.zeros(1, out_dim))
+        self.teacher_temp_schedule = common.teacher_temperature_schedule(
+            warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs)
+
+    def forward(self, student_output, teacher_output, epoch):
+        """student_output [ncrops*B, K] and teacher_output [2*B, K], crop-major rows."""
+        student_output, teacher_output = student_output.float(), teacher_output.float()
+        temp = self.teacher_temp_schedule[epoch]
+        log_p = F.log_softmax(student_output / self.student_temp, dim=-1).unflatten(0, (self.ncrops, -1))
+        q = F.softmax((teacher_output - self.center) / temp, dim=-1).detach().unflatten(0, (2, -1))
+        batch = q.shape[1]
+        ce = -torch.einsum("tbk,sbk->ts", q, log_p) / batch      # [2, ncrops]: teacher crop t, student crop s
+        is_other_crop = ~torch.eye(2, self.ncrops, dtype=torch.bool, device=ce.device)
+        loss = ce[is_other_crop].mean()
+        self.update_center(teacher_output)
+        teacher_entropy = -(q * q.clamp_min(1e-12).log()).sum(-1).mean()
+        return {"loss": loss, "teacher_entropy": teacher_entropy.detach(), "center_norm": self.center.norm()}
+
+    @torch.no_grad()
+    def update_center(self, teacher_output):
+        """EMA of the mean raw teacher output over both global crops of every process."""
+        batch_center = common.all_reduce_sum(teacher_output.sum(dim=0, keepdim=True))
+        batch_center = batch_center / (len(teacher_output) * common.get_world_size())
+        self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
+
+
+# ================================================================================================
+# Model: backbone + projection head over all crops
+# ================================================================================================
+class DINO(nn.Module):
+    """Backbone (global feature: ViT CLS, Swin average-pooled tokens) + DINO projection head.
+    Consecutive crops of equal resolution go through the backbone as one batch."""
+
+    def __init__(self, backbone, head):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, crops):
+        return self.head(torch.cat(common.forward_multicrop(self.backbone, crops)))
+
+
+def build_model(args, drop_path_rate):
+    backbone = common.build_backbone(args.arch, args.patch_size, args.window_size, drop_path_rate)
+    head = common.DINOHead(backbone.num_features, args.out_dim, use_bn=args.use_bn_in_head,
+                           norm_last_layer=args.norm_last_layer)
+    return DINO(backbone, head)
+
+
+# ================================================================================================
+# One epoch
+# ================================================================================================
+def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, args, device):
+    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
+    totals, start, images = {}, time.time(), 0
+    bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps)
+    for it, ((crops, _geometry), _labels) in enumerate(bar):
+        if it >= n_steps:
+            break
+        step = epoch * n_steps + it                      # global iteration: indexes every schedule
+        for i, group in enumerate(optimizer.param_groups):
+            group["lr"] = schedules["lr"][step]
+            if i == 0:                                   # only the first group is regularised
+                group["weight_decay"] = schedules["wd"][step]
+        crops = [c.to(device, non_blocking=True) for c in crops]
+
+        with common.autocast(device, args.precision):
+            with torch.no_grad():
+                teacher_output = teacher(crops[:2])      # the teacher sees the 2 global crops only
+            student_output = student(crops)
+            losses = criterion(student_output, teacher_output, epoch)
+        loss = losses["loss"]
+        stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args)
+
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if args.clip_grad:
+            scaler.unscale_(optimizer)
+            common.clip_gradients(student, args.clip_grad)
+        common.cancel_gradients_last_layer(epoch, student, args.freeze_last_layer)
+        scaler.step(optimizer)
+        scaler.update()
+        common.update_teacher(student, teacher, schedules["momentum"][step])
+
+        stats = {k: v.item() for k, v in losses.items()}
+        stats.update(lr=schedules["lr"][step], wd=schedules["wd"][step], momentum=schedules["momentum"][step],
+                     teacher_temp=criterion.teacher_temp_schedule[epoch])
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v
+        images += len(crops[0]) * common.get_world_size()
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", wd=f"{stats['wd']:.3f}",
+                        mom=f"{stats['momentum']:.4f}", H_t=f"{stats['teacher_entropy']:.2f}")
+    record = {k: v / max(n_steps, 1) for k, v in totals.items()}
+    record.update(epoch=epoch, images_per_s=images / (time.time() - start),
+                  peak_memory_mb=common.peak_memory_mb(device))
+    return record
+
+
+def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args):
+    """On a non-finite loss (in any process), save a debug checkpoint and stop with advice."""
+    bad = common.all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
+    if bad.item() == 0:
+        return
+    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
+    state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
+             "optimizer": optimizer.state_dict(), "dino_loss": criterion.state_dict(), "epoch": epoch,
+             "args": vars(args)}
+    if common.is_main_process():
+        common.save_checkpoint(state, path)
+    common.log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
+               f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
+               f"gradients. Try --precision fp32, a lower --lr, or --clip_grad 3.0 (or lower).")
+    sys.exit(1)
+
+
+# ================================================================================================
+# main
+# ================================================================================================
+def main(args):
+    device = common.init_distributed(args.device)
+    common.fix_random_seeds(args.seed)
+    common.save_args(args)
+    common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
+
+    # ---- data: every sample's crops depend only on (seed, epoch, index)
+    augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
+                                           args.global_crop_size, args.local_crop_size)
+    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed)
+    loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers, train=True, seed=args.seed)
+    common.log(f"data: {len(dataset)} images, {len(loader)} steps per epoch")
+
+    # ---- student and teacher start from the same weights; the teacher has no drop path
+    student = build_model(args, args.drop_path_rate).to(device)
+    teacher = build_model(args, 0.0).to(device)
+    teacher.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False)
+    if common.is_dist():
+        if args.use_bn_in_head:
+            student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
+            teacher = nn.SyncBatchNorm.convert_sync_batchnorm(teacher)
+        student = nn.parallel.DistributedDataParallel(student, device_ids=[device] if device.type == "cuda" else None)
+    common.log(f"student and teacher: {args.arch}, {sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters each")
+
+    criterion = DINOLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp, args.teacher_temp,
+                         args.warmup_teacher_temp_epochs, args.epochs).to(device)
+    params = common.get_params_groups(student)
+    optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
+                 else torch.optim.SGD(params, lr=0, momentum=0.9))
+    scaler = common.make_grad_scaler(device, args.precision)
+
+    # ---- schedules, one value per iteration (lr scaled linearly with the total batch)
+    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
+    total_batch = args.batch_size_per_gpu * common.get_world_size()
+    schedules = {
+        "lr": common.cosine_scheduler(args.lr * total_batch / 256, args.min_lr, args.epochs, n_steps, args.warmup_epochs),
+        "wd": common.cosine_scheduler(args.weight_decay, args.weight_decay_end, args.epochs, n_steps),
+        "momentum": common.cosine_scheduler(args.momentum_teacher, 1, args.epochs, n_steps),
+    }
+
+    # ---- resume from output_dir/checkpoint.pth when it exists
+    start_epoch, ckpt_path = 0, Path(args.output_dir) / "checkpoint.pth"
+    if ckpt_path.exists():
+        ckpt = common.load_checkpoint(ckpt_path)
+        common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, dino_loss=criterion)
+        start_epoch = ckpt["epoch"]
+        common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
+        common.log(f"resumed from {ckpt_path} at epoch {start_epoch}")
+
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        dataset.set_epoch(epoch)
+        record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, args, device)
+        save_all(student, teacher, optimizer, scaler, criterion, epoch, args)
+        common.append_log(args.output_dir, record)
+        common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+    common.log(f"done; teacher backbone for evaluation: {Path(args.output_dir) / 'teacher_backbone.pth'}")
+
+
+def save_all(student, teacher, optimizer, scaler, criterion, epoch, args):
+    """checkpoint.pth (everything needed to resume), a copy every saveckp_freq epochs, and the
+    teacher backbone alone with timm key names (for eval_knn.py, eval_linear.py, timm)."""
+    state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
+             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "dino_loss": criterion.state_dict(),
+             "epoch": epoch + 1, "args": vars(args), "method": "dino", "rng": common.all_gather_objects(common.rng_state())}
+    if not common.is_main_process():
+        return
+    out = Path(args.output_dir)
+    common.save_checkpoint(state, out / "checkpoint.pth")
+    last = epoch + 1 == args.epochs
+    if args.saveckp_freq and (epoch + 1) % args.saveckp_freq == 0 or last:
+        if not last:
+            common.save_checkpoint(state, out / f"checkpoint{epoch + 1:04d}.pth")
+        common.save_checkpoint(teacher.backbone.state_dict(), out / "teacher_backbone.pth")
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())
