@@ -153,10 +153,11 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         if it >= n_steps:
             break
         step = epoch * n_steps + it                      # global iteration: indexes every schedule
+        lr, wd, momentum = (float(schedules[k][step]) for k in ("lr", "wd", "momentum"))
         for i, group in enumerate(optimizer.param_groups):
-            group["lr"] = schedules["lr"][step]
+            group["lr"] = lr
             if i == 0:                                   # only the first group is regularised
-                group["weight_decay"] = schedules["wd"][step]
+                group["weight_decay"] = wd
         crops = [c.to(device, non_blocking=True) for c in crops]
 
         with common.autocast(device, args.precision):
@@ -175,11 +176,10 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         common.cancel_gradients_last_layer(epoch, student, args.freeze_last_layer)
         scaler.step(optimizer)
         scaler.update()
-        common.update_teacher(student, teacher, schedules["momentum"][step])
+        common.update_teacher(student, teacher, momentum)
 
         stats = {k: v.item() for k, v in losses.items()}
-        stats.update(lr=schedules["lr"][step], wd=schedules["wd"][step], momentum=schedules["momentum"][step],
-                     teacher_temp=criterion.teacher_temp_schedule[epoch])
+        stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[epoch]))
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
         images += len(crops[0]) * common.get_world_size()
