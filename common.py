@@ -134,7 +134,8 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
         return ViT(img_size=img_size, patch_size=patch_size, mlp_ratio=4, qkv_bias=True,
                    norm_layer=norm_layer, num_classes=0, dynamic_img_size=True,
                    drop_path_rate=drop_path_rate, class_token=class_token,
-                   global_pool="token" if class_token else "avg", final_norm=final_norm, **cfg)
+                   global_pool="token" if class_token else "avg", final_norm=final_norm,
+                   fc_norm=False, **cfg)  # keep the final norm in `norm` (timm moves it to fc_norm for "avg")
     if not class_token or not final_norm:
         die("a Swin backbone has no CLS token to remove and always ends in a LayerNorm")
     return Swin(img_size=img_size, patch_size=4, window_size=window_size, mlp_ratio=4, qkv_bias=True,
@@ -547,10 +548,10 @@ def is_main_process():
 
 
 def all_reduce_sum(t):
-    """Sum of `t` over all processes (a new tensor); `t` itself without a process group."""
+    """Sum of `t` over all processes, as a new tensor (a copy of `t` without a process group)."""
+    t = t.clone()
     if not is_dist():
         return t
-    t = t.clone()
     dist.all_reduce(t)
     return t
 
@@ -695,11 +696,14 @@ def save_checkpoint(state, path):
     so a crash at any moment leaves either the old or the new file, never a truncated one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only left over when the write failed
 
 
 def load_state_dict_strict(module, state_dict, what="model"):
