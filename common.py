@@ -11,11 +11,15 @@ Sections, top to bottom:
   8. Logging        progress bar, JSON log lines, argument groups shared by every script
 """
 import argparse
+import contextlib
 import gzip
+import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
+import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -353,13 +357,25 @@ class BadImageError(RuntimeError):
     pass
 
 
+@contextlib.contextmanager
+def user_errors():
+    """Turn an unreadable image met inside the data loader (possibly in a worker process, whose
+    traceback torch prepends) into a one-line error that names the file."""
+    try:
+        yield
+    except BadImageError as e:
+        raise SystemExit("error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]) from None
+
+
 class ImageFolderSafe(tv_datasets.ImageFolder):
     """ImageFolder with `load_image`; with `skip_bad_images`, an unreadable file is replaced by the
-    next readable one (and counted in `self.bad_images`) instead of stopping the run."""
+    next readable one instead of stopping the run. Skipped files are listed in `bad_images` (this
+    process) and counted in `skipped`, a counter shared with the loader's worker processes."""
 
     def __init__(self, root, skip_bad_images=False):
         super().__init__(root, loader=load_image)
         self.skip_bad_images, self.bad_images = skip_bad_images, []
+        self.skipped = multiprocessing.Value("l", 0)
 
     def __getitem__(self, index):
         for attempt in range(len(self)):
@@ -370,8 +386,17 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
                 if not self.skip_bad_images:
                     raise BadImageError(f"{e} (pass --skip_bad_images to skip unreadable files)") from None
                 self.bad_images.append(self.samples[i][0])
+                with self.skipped.get_lock():
+                    self.skipped.value += 1
                 print(f"warning: skipping {e}", file=sys.stderr)
         raise BadImageError(f"no readable image in {self.root}")
+
+
+def skipped_images(dataset):
+    """How many unreadable files the (possibly wrapped) dataset has skipped so far."""
+    while hasattr(dataset, "base"):
+        dataset = dataset.base
+    return dataset.skipped.value if hasattr(dataset, "skipped") else 0
 
 
 def read_idx(path):
@@ -573,16 +598,65 @@ def unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
+class ResumableSampler(torch.utils.data.DistributedSampler):
+    """DistributedSampler that can start an epoch at a given batch, to resume mid-epoch at the
+    next unseen batch. Rank r of n takes every n-th index of one permutation of (seed, epoch)."""
+
+    def __init__(self, dataset, batch_size, shuffle, seed, drop_last):
+        super().__init__(dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.batch_size, self.start_batch = batch_size, 0
+
+    def set_epoch(self, epoch, start_batch=0):
+        super().set_epoch(epoch)
+        self.start_batch = start_batch
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start_batch * self.batch_size, None)
+
+    def __len__(self):
+        return max(super().__len__() - self.start_batch * self.batch_size, 0)
+
+
 def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
-    """DataLoader over a DistributedSampler (also with one process, so the order of samples is a
-    function of (seed, epoch) only: rank r of n takes every n-th index of the same permutation)."""
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=get_world_size(), rank=get_rank(),
-                                                  shuffle=train, seed=seed, drop_last=train)
+    """DataLoader over a `ResumableSampler` (also with one process), so the order of samples is a
+    function of (seed, epoch) only. The loader has its own generator: creating an epoch's
+    iterator does not draw from the global RNG, which keeps resumed runs bit-identical."""
     if train and len(dataset) < batch_size * get_world_size():
         die(f"the dataset has {len(dataset)} images, fewer than one batch "
             f"({batch_size} per process x {get_world_size()} processes); lower --batch_size_per_gpu")
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(), drop_last=train), sampler
+    sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                                         pin_memory=torch.cuda.is_available(), drop_last=train,
+                                         generator=torch.Generator().manual_seed(seed))
+    return loader, sampler
+
+
+_preemption_signal = None
+
+
+def install_preemption_handler():
+    """On SIGTERM or SIGUSR1 (cluster preemption, SLURM's --signal), only set a flag: the training
+    loop finishes its step, writes a checkpoint and exits 0 (see `preemption_requested`)."""
+    def handler(signum, frame):
+        global _preemption_signal
+        _preemption_signal = signal.Signals(signum).name
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, handler)
+
+
+def preemption_requested(device):
+    """True in every process as soon as any process received a preemption signal."""
+    flag = torch.tensor([float(_preemption_signal is not None)], device=device)
+    return all_reduce_sum(flag).item() > 0
+
+
+def exit_after_preemption(output_dir):
+    log(f"received {_preemption_signal or 'a preemption signal'}: checkpoint written to "
+        f"{Path(output_dir) / 'checkpoint.pth'}; run the same command again to resume")
+    if is_dist():
+        dist.destroy_process_group()
+    sys.exit(0)
 
 
 # ================================================================================================
@@ -830,6 +904,9 @@ def add_run_args(parser, saveckp_freq=20):
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     g.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"],
                    help="autocast dtype; fp16 uses a grad scaler (CUDA only); bf16 also speeds up CPUs")
+    g.add_argument("--save_every_iters", default=0, type=int,
+                   help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
+                        "resumes at the next unseen batch")
     g.add_argument("--max_steps_per_epoch", default=0, type=int,
                    help="stop each epoch after N steps (0 = full epoch); for smoke tests")
     return g

@@ -145,11 +145,11 @@ def build_model(args, drop_path_rate):
 # ================================================================================================
 # One epoch
 # ================================================================================================
-def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, args, device):
-    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
+def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step, args, device):
+    n_steps = len(schedules["lr"]) // args.epochs
     totals, start, images = {}, time.time(), 0
-    bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps)
-    for it, ((crops, _geometry), _labels) in enumerate(bar):
+    bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps - start_step)
+    for it, ((crops, _geometry), _labels) in enumerate(bar, start=start_step):
         if it >= n_steps:
             break
         step = epoch * n_steps + it                      # global iteration: indexes every schedule
@@ -185,7 +185,14 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         images += len(crops[0]) * common.get_world_size()
         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", wd=f"{stats['wd']:.3f}",
                         mom=f"{stats['momentum']:.4f}", H_t=f"{stats['teacher_entropy']:.2f}")
-    record = {k: v / max(n_steps, 1) for k, v in totals.items()}
+
+        preempted = common.preemption_requested(device)   # SIGTERM / SIGUSR1 in any process
+        periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
+        if (preempted or periodic) and it + 1 < n_steps:  # after an epoch's last step, main() saves
+            save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args)
+            if preempted:
+                common.exit_after_preemption(args.output_dir)
+    record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
     record.update(epoch=epoch, images_per_s=images / (time.time() - start),
                   peak_memory_mb=common.peak_memory_mb(device))
     return record
@@ -213,6 +220,7 @@ def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args
 # ================================================================================================
 def main(args):
     device = common.init_distributed(args.device)
+    common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
     common.save_args(args)
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
@@ -253,40 +261,48 @@ def main(args):
     }
 
     # ---- resume from output_dir/checkpoint.pth when it exists
-    start_epoch, ckpt_path = 0, Path(args.output_dir) / "checkpoint.pth"
+    start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
     if ckpt_path.exists():
         ckpt = common.load_checkpoint(ckpt_path)
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, dino_loss=criterion)
-        start_epoch = ckpt["epoch"]
+        start_epoch, start_step = ckpt["epoch"], ckpt["step"]
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
-        common.log(f"resumed from {ckpt_path} at epoch {start_epoch}")
+        common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         dataset.set_epoch(epoch)
-        record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, args, device)
-        save_all(student, teacher, optimizer, scaler, criterion, epoch, args)
+        record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
+                                 args, device)
+        start_step = 0
+        save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args)
+        record["skipped_images"] = common.skipped_images(dataset)
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        if common.preemption_requested(device):
+            common.exit_after_preemption(args.output_dir)
     common.log(f"done; teacher backbone for evaluation: {Path(args.output_dir) / 'teacher_backbone.pth'}")
 
 
-def save_all(student, teacher, optimizer, scaler, criterion, epoch, args):
-    """checkpoint.pth (everything needed to resume), a copy every saveckp_freq epochs, and the
-    teacher backbone alone with timm key names (for eval_knn.py, eval_linear.py, timm)."""
+def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
+    """checkpoint.pth: everything needed to resume at batch `step` of `epoch` (every process takes
+    part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy every
+    saveckp_freq epochs and the teacher backbone alone with timm key names (for eval_knn.py,
+    eval_linear.py and timm)."""
     state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "dino_loss": criterion.state_dict(),
-             "epoch": epoch + 1, "args": vars(args), "method": "dino", "rng": common.all_gather_objects(common.rng_state())}
+             "epoch": epoch, "step": step, "args": vars(args), "method": "dino",
+             "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)
     common.save_checkpoint(state, out / "checkpoint.pth")
-    last = epoch + 1 == args.epochs
-    if args.saveckp_freq and (epoch + 1) % args.saveckp_freq == 0 or last:
-        if not last:
-            common.save_checkpoint(state, out / f"checkpoint{epoch + 1:04d}.pth")
+    if step == 0 and (args.saveckp_freq and epoch % args.saveckp_freq == 0 or epoch == args.epochs):
+        if epoch < args.epochs:
+            common.save_checkpoint(state, out / f"checkpoint{epoch:04d}.pth")
         common.save_checkpoint(teacher.backbone.state_dict(), out / "teacher_backbone.pth")
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    with common.user_errors():
+        main(get_args_parser().parse_args())

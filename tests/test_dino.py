@@ -157,14 +157,14 @@ def test_teacher_sees_global_crops_only_and_last_layer_frozen_in_epoch0(tmp_path
     schedules = {"lr": [0.01] * 2, "wd": [0.04] * 2, "momentum": [0.996] * 2}
     before = {k: v.clone() for k, v in student.state_dict().items()}
     dino.train_one_epoch(student, teacher, criterion, loader, optimizer, common.make_grad_scaler(device, "fp32"),
-                         schedules, 0, args, device)
+                         schedules, 0, 0, args, device)
     assert seen == [(16, 3, 32, 32)]                           # 2 global crops x batch 8, one call
     after = student.state_dict()
     assert torch.equal(before["head.last_layer.weight_v"], after["head.last_layer.weight_v"])
     assert not torch.equal(before["head.mlp.0.weight"], after["head.mlp.0.weight"])
     assert not torch.equal(before["backbone.blocks.0.attn.qkv.weight"], after["backbone.blocks.0.attn.qkv.weight"])
     dino.train_one_epoch(student, teacher, criterion, loader, optimizer, common.make_grad_scaler(device, "fp32"),
-                         schedules, 1, args, device)
+                         schedules, 1, 0, args, device)
     assert not torch.equal(before["head.last_layer.weight_v"], student.state_dict()["head.last_layer.weight_v"])
 
 

@@ -1,0 +1,236 @@
+"""Reliability of the training scripts: exact resume (epoch boundary and mid-epoch), 1-process vs
+2-process equality, preemption by signal, and bad input. Every run is a real subprocess on the
+`synthetic` data (tiny sizes, CPU)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+TINY = {"--arch": "vit_pico", "--dataset": "synthetic", "--synthetic_images": "48", "--synthetic_image_size": "32",
+        "--global_crop_size": "32", "--local_crop_size": "16", "--local_crops_number": "2", "--out_dim": "64",
+        "--batch_size_per_gpu": "8", "--num_workers": "0", "--warmup_epochs": "1", "--device": "cpu",
+        "--max_steps_per_epoch": "3", "--epochs": "2", "--saveckp_freq": "1"}
+
+
+def tiny(**changes):
+    """The tiny DINO command line, with `changes` (e.g. epochs="1", data_path=None to drop a flag)."""
+    flags = {**TINY, **{f"--{k}": v for k, v in changes.items()}}
+    return [x for k, v in flags.items() if v is not None for x in (k, v)]
+
+
+DINO_TINY = tiny()
+
+
+def run(script, *args, driver=None, timeout=300):
+    cmd = [sys.executable, "-c", driver, script, *args] if driver else [sys.executable, script, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+# Runs a training script, pretending that a preemption signal arrived just before the n-th check.
+STOP_AT_CHECK = """
+import runpy, sys
+import common
+n, real = N_CHECK, common.preemption_requested
+calls = [0]
+def preemption_requested(device):
+    calls[0] += 1
+    if calls[0] == n:
+        common._preemption_signal = "SIGTERM (simulated)"
+    return real(device)
+common.preemption_requested = preemption_requested
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def assert_same_state(a, b, exact=True, atol=0.0):
+    """Every tensor of two checkpoints (weights, optimizer moments, loss buffers) is equal."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k not in ("args", "rng"):
+                assert_same_state(a[k], b[k], exact, atol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_state(x, y, exact, atol)
+    elif torch.is_tensor(a):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=atol)
+    else:
+        assert a == b
+
+
+def load(path):
+    return torch.load(path, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def dino_uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dino_full")
+    result = run("dino.py", *DINO_TINY, "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_resume_at_epoch_boundary_is_bit_identical(dino_uninterrupted, tmp_path):
+    shutil.copy(dino_uninterrupted / "checkpoint0001.pth", tmp_path / "checkpoint.pth")
+    result = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "epoch 1, step 0" in result.stdout
+    assert_same_state(load(dino_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
+
+
+def test_resume_mid_epoch_is_bit_identical(dino_uninterrupted, tmp_path):
+    # stop after the 2nd step of epoch 0 (the 2nd check), as a preempted job would
+    first = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path), driver=STOP_AT_CHECK.replace("N_CHECK", "2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "run the same command again to resume" in first.stdout
+    ckpt = load(tmp_path / "checkpoint.pth")
+    assert (ckpt["epoch"], ckpt["step"]) == (0, 2)
+    second = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "epoch 0, step 2" in second.stdout
+    assert_same_state(load(dino_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
+
+
+# Runs a training script and prints every checkpoint it writes.
+SPY_SAVES = """
+import runpy, sys
+import common
+real = common.save_checkpoint
+def save_checkpoint(state, path):
+    print("saved", path.name, "epoch", state.get("epoch"), "step", state.get("step"), flush=True)
+    real(state, path)
+common.save_checkpoint = save_checkpoint
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_save_every_iters_writes_mid_epoch_checkpoints(tmp_path):
+    result = run("dino.py", *tiny(epochs="1", max_steps_per_epoch="5", save_every_iters="2"),
+                 "--output_dir", str(tmp_path), driver=SPY_SAVES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saves = [line for line in result.stdout.splitlines() if line.startswith("saved checkpoint.pth")]
+    assert saves == ["saved checkpoint.pth epoch 0 step 2", "saved checkpoint.pth epoch 0 step 4",
+                     "saved checkpoint.pth epoch 1 step 0"]
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """torchrun --nproc_per_node=2 with batch b per process == one process with batch 2b
+    (same data order and crops, averaged gradients, all-reduced centers); drop path off."""
+    args = tiny(drop_path_rate="0", epochs="1")
+    one = run("dino.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "dino.py", *args, "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = load(tmp_path / "one" / "checkpoint.pth"), load(tmp_path / "two" / "checkpoint.pth")
+    assert len(b["rng"]) == 2 and len(a["rng"]) == 1
+    for key in ("student", "teacher", "dino_loss"):
+        assert_same_state(a[key], b[key], exact=False, atol=1e-5)
+    moved = sum((a["student"][k] - a["teacher"][k]).abs().sum() for k in a["student"])
+    assert moved > 0   # the runs trained: student and teacher differ
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
+    args = [*tiny(max_steps_per_epoch="0", epochs="50"), "--output_dir", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "dino.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    for line in proc.stdout:            # the handler is installed before the data are built
+        if line.startswith("data:"):
+            break
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "received SIGTERM" in out and "run the same command again to resume" in out
+    ckpt = load(tmp_path / "checkpoint.pth")
+    assert ckpt["epoch"] < 50
+    resumed = run("dino.py", *tiny(max_steps_per_epoch="0", epochs=str(ckpt["epoch"] + 1)), "--output_dir", str(tmp_path))
+    # a different --epochs changes the schedules, but the run must still load and continue
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {ckpt['epoch']}, step {ckpt['step']}" in resumed.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+def make_folder(root, bad=True):
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(root / cls / f"{i}.jpg")
+    Image.fromarray(rng.integers(0, 255, (40, 40), dtype=np.uint8), mode="L").save(root / "a" / "gray.png")
+    Image.fromarray(rng.integers(0, 255, (40, 40, 4), dtype=np.uint8), mode="RGBA").save(root / "a" / "rgba.png")
+    Image.fromarray(rng.integers(0, 255, (5, 3, 3), dtype=np.uint8)).save(root / "b" / "tiny.png")
+    Image.fromarray(rng.integers(0, 255, (40, 40), dtype=np.uint8), mode="L").convert("P").save(root / "b" / "palette.png")
+    Image.fromarray(rng.integers(0, 65535, (40, 40), dtype=np.uint16)).save(root / "b" / "deep.png")
+    if bad:
+        data = (root / "a" / "0.jpg").read_bytes()
+        (root / "b" / "truncated.jpg").write_bytes(data[: len(data) // 3])
+
+
+FOLDER_ARGS = tiny(dataset="folder", synthetic_images=None, synthetic_image_size=None, batch_size_per_gpu="4",
+                   max_steps_per_epoch="0", epochs="1")
+
+
+def test_unusual_image_modes_are_converted(tmp_path):
+    make_folder(tmp_path / "data", bad=False)
+    r = run("dino.py", *FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_truncated_image_is_named_or_skipped(tmp_path, workers):
+    make_folder(tmp_path / "data")
+    base = [*FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--num_workers", workers]
+    r = run("dino.py", *base, "--output_dir", str(tmp_path / "out1"))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot read image") and "truncated.jpg" in last and "--skip_bad_images" in last
+    r = run("dino.py", *base, "--skip_bad_images", "--output_dir", str(tmp_path / "out2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "truncated.jpg" in r.stderr
+    assert '"skipped_images": 1' in (tmp_path / "out2" / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("missing", "does not exist"),
+    ("empty", "no images in"),
+    ("arch", "invalid choice: 'vit_huge'"),
+    ("other_arch_checkpoint", "does not match the checkpoint"),
+])
+def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
+    args = [*FOLDER_ARGS, "--output_dir", str(tmp_path / "out")]
+    if case == "missing":
+        args += ["--data_path", str(tmp_path / "nowhere")]
+    elif case == "empty":
+        (tmp_path / "empty").mkdir()
+        args += ["--data_path", str(tmp_path / "empty")]
+    elif case == "arch":
+        args = ["--arch", "vit_huge", *args]
+    else:
+        args = [*tiny(epochs="1", max_steps_per_epoch="1"), "--output_dir", str(tmp_path / "out")]
+        assert run("dino.py", *args).returncode == 0
+        args = [*args, "--arch", "swin_pico"]
+    r = run("dino.py", *args)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert expected in r.stderr.strip().splitlines()[-1]
