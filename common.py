@@ -321,9 +321,17 @@ class SeededDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         image, label = self.base[index]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, self.epoch, index))
-            return self.transform(image), label
+        seed = sample_seed(self.seed, self.epoch, index)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):   # torch, Python and NumPy RNGs (timm's transforms use all three)
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2 ** 32)
+            try:
+                return self.transform(image), label
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
 
 
 def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
@@ -394,8 +402,8 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
 
 def skipped_images(dataset):
     """How many unreadable files the (possibly wrapped) dataset has skipped so far."""
-    while hasattr(dataset, "base"):
-        dataset = dataset.base
+    while hasattr(dataset, "base") or hasattr(dataset, "dataset"):   # SeededDataset, Subset
+        dataset = getattr(dataset, "base", None) or dataset.dataset
     return dataset.skipped.value if hasattr(dataset, "skipped") else 0
 
 
@@ -681,14 +689,15 @@ def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epoch
                            np.ones(max(nepochs - warmup_epochs, 0)) * teacher_temp))
 
 
-def get_params_groups(model):
-    """Two AdamW groups: weights (decayed) and biases / 1-D parameters (norms, gains; no decay).
-    Frozen parameters are left out."""
+def get_params_groups(model, no_decay_names=()):
+    """Two AdamW groups: weights (decayed) and biases / 1-D parameters (norms, gains) and any
+    parameter whose name contains one of `no_decay_names` (not decayed). Frozen ones are left out."""
     regularized, not_regularized = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (not_regularized if name.endswith(".bias") or p.ndim == 1 else regularized).append(p)
+        exempt = name.endswith(".bias") or p.ndim == 1 or any(n in name for n in no_decay_names)
+        (not_regularized if exempt else regularized).append(p)
     return [{"params": regularized}, {"params": not_regularized, "weight_decay": 0.0}]
 
 

@@ -51,7 +51,6 @@ included); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised 
 """
 import argparse
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -314,21 +313,13 @@ def lambda_schedule(lambda_drloc, epochs, warmup_epochs=20, kind="warmup_decay")
     return np.where(e < warmup_epochs, warmup, decay)
 
 
-def get_params_groups(model):
-    """common.get_params_groups plus Swin's rule: position tables (relative position bias
-    tables; a ViT's pos_embed and cls_token) are not decayed either."""
-    regularized, not_regularized = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        table = any(t in name for t in ("relative_position_bias_table", "pos_embed", "cls_token"))
-        (not_regularized if name.endswith(".bias") or p.ndim == 1 or table else regularized).append(p)
-    return [{"params": regularized}, {"params": not_regularized, "weight_decay": 0.0}]
+# Swin's rule: position tables are not decayed either (nor norms and biases, as everywhere).
+NO_WEIGHT_DECAY = ("relative_position_bias_table", "pos_embed", "cls_token")
 
 
 def train_transform(args):
     """Swin's training augmentation, built by timm: RandomResizedCrop (bicubic) + flip + RandAugment
-    + normalise + random erasing, its Python / NumPy draws seeded per sample."""
+    + normalise + random erasing (all its draws are seeded per sample by common.SeededDataset)."""
     transform = create_transform(args.input_size, is_training=True, color_jitter=0.4, auto_augment=args.aa or None,
                                  interpolation="bicubic", re_prob=args.reprob, re_mode="pixel", re_count=1)
     for t in transform.transforms:
@@ -336,7 +327,7 @@ def train_transform(args):
             for op in t.ops:
                 if op.name.startswith("Posterize"):
                     op.aug_fn = posterize
-    return SeedPythonAndNumpy(transform)
+    return transform
 
 
 def posterize(img, bits_to_keep, **_):
@@ -345,25 +336,6 @@ def posterize(img, bits_to_keep, **_):
     if bits_to_keep >= 8:
         return img
     return ImageOps.posterize(img, bits_to_keep) if bits_to_keep >= 1 else Image.new(img.mode, img.size)
-
-
-class SeedPythonAndNumpy:
-    """timm's transforms draw from Python's and NumPy's RNGs, which `common.SeededDataset` does not
-    seed: seed both from torch's (seeded per sample) around the call, then restore them."""
-
-    def __init__(self, transform):
-        self.transform = transform
-
-    def __call__(self, img):
-        seed = int(torch.randint(2 ** 31, (1,)).item())
-        py_state, np_state = random.getstate(), np.random.get_state()
-        random.seed(seed)
-        np.random.seed(seed)
-        try:
-            return self.transform(img)
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
 
 
 def check_args(args):
@@ -537,7 +509,7 @@ def main(args):
 
     criterion = DRLocLoss(args.drloc_mode, args.drloc_targets == "signed", args.drloc_normalize,
                           args.smoothing).to(device)
-    optimizer = torch.optim.AdamW(get_params_groups(model), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(common.get_params_groups(model, NO_WEIGHT_DECAY), weight_decay=args.weight_decay)
     scaler = common.make_grad_scaler(device, args.precision)
 
     # ---- schedules: lr per iteration (scaled linearly with the total batch), lambda per epoch

@@ -306,7 +306,7 @@ def test_too_small_grid_and_bad_flags_fail_with_one_line():
 
 def test_position_tables_norms_and_biases_are_not_decayed():
     model = drloc.build_model(args_for(), num_classes=3)
-    decayed, not_decayed = (set(map(id, g["params"])) for g in drloc.get_params_groups(model))
+    decayed, not_decayed = (set(map(id, g["params"])) for g in common.get_params_groups(model, drloc.NO_WEIGHT_DECAY))
     named = dict(model.named_parameters())
     assert id(named["backbone.layers.0.blocks.0.attn.relative_position_bias_table"]) in not_decayed
     assert id(named["backbone.norm.weight"]) in not_decayed and id(named["head.bias"]) in not_decayed
@@ -317,7 +317,7 @@ def test_position_tables_norms_and_biases_are_not_decayed():
 def test_timm_augmentation_is_reproducible_per_sample_and_leaves_global_rngs_alone():
     def transform(img):
         return (random.random(), float(np.random.rand()), torch.rand(1).item())
-    dataset = common.SeededDataset([(None, 0)] * 3, drloc.SeedPythonAndNumpy(transform), seed=5)
+    dataset = common.SeededDataset([(None, 0)] * 3, transform, seed=5)
     random.seed(1)
     np.random.seed(1)
     py_before, np_before = random.random(), np.random.rand()
@@ -335,7 +335,7 @@ def test_randaugment_posterize_keeps_zero_bits_as_a_black_image():
     assert drloc.posterize(img, 0).getpixel((0, 0)) == (0, 0, 0)
     assert drloc.posterize(img, 1).getpixel((0, 0)) == (128, 0, 0)
     assert drloc.posterize(img, 8) is img
-    transform = drloc.train_transform(args_for("--input_size", "32")).transform
+    transform = drloc.train_transform(args_for("--input_size", "32"))
     ops = [op for t in transform.transforms for op in getattr(t, "ops", [])]
     assert [op.aug_fn for op in ops if op.name.startswith("Posterize")] == [drloc.posterize]
 
