@@ -446,10 +446,12 @@ class FashionMNIST(torch.utils.data.Dataset):
 
 class SyntheticShapes(torch.utils.data.Dataset):
     """A procedurally generated labelled image set: 10 shape classes (disk, square, triangle,
-    diamond, plus, cross, ring, horizontal bars, vertical bars, checker) drawn at a random
-    position, scale and colour over a random two-colour gradient with noise. Shape is the only
-    cue for the label, so a k-NN on good features beats chance by far. Image i is a pure function
-    of (seed, split, i): no files, no download, any resolution."""
+    diamond, plus, cross, ring, horizontal bars, vertical bars, checker), one light shape per image
+    at a random position, scale and grey level over a dark noisy gradient with a few distractor
+    dots. Colour carries no information (a random hue per image would make colour the easiest cue
+    for instance discrimination, and self-supervised features would learn colour, not shape), so
+    a k-NN on good features beats chance by far. Image i is a pure function of (seed, split, i):
+    no files, no download, any resolution."""
     CLASSES = ["disk", "square", "triangle", "diamond", "plus", "cross", "ring", "hbars", "vbars", "checker"]
 
     def __init__(self, num_images=2000, image_size=64, train=True, seed=0):
@@ -464,14 +466,17 @@ class SyntheticShapes(torch.utils.data.Dataset):
         from PIL import ImageDraw
         rng = np.random.default_rng([self.seed, self.split, i])
         s, label = self.size, self.targets[i]
-        c0, c1 = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+        lo, hi = rng.uniform(0, 70, 2)
         t = np.linspace(0, 1, s)[None, :, None] if rng.random() < 0.5 else np.linspace(0, 1, s)[:, None, None]
-        bg = c0 * (1 - t) + c1 * t + rng.normal(0, 12, (s, s, 3))
+        bg = lo * (1 - t) + hi * t + rng.normal(0, 10, (s, s, 1))
         img = Image.fromarray(np.clip(np.broadcast_to(bg, (s, s, 3)), 0, 255).astype(np.uint8))
-        fg = tuple(int(v) for v in (255 - (c0 + c1) // 2 + rng.integers(-60, 61, 3)) % 256)
-        r = s * rng.uniform(0.18, 0.38)
-        cx, cy = rng.uniform(r, s - r, 2)
         d = ImageDraw.Draw(img)
+        for _ in range(3):  # distractors: small dots
+            x, y, g = rng.uniform(0, s), rng.uniform(0, s), int(rng.uniform(100, 200))
+            d.ellipse([x - s / 40, y - s / 40, x + s / 40, y + s / 40], fill=(g, g, g))
+        fg = (int(rng.uniform(170, 255)),) * 3
+        r = s * rng.uniform(0.2, 0.4)
+        cx, cy = rng.uniform(r, s - r, 2)
         box = [cx - r, cy - r, cx + r, cy + r]
         lw = max(1, int(r / 3))
         name = self.CLASSES[label]
@@ -673,6 +678,8 @@ def exit_after_preemption(output_dir):
 def cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epochs=0, start_warmup_value=0):
     """One value per iteration: linear warmup from `start_warmup_value` (endpoint `base_value`
     included) over `warmup_epochs`, then `final + 0.5 (base - final)(1 + cos(pi i / T))`."""
+    if warmup_epochs > epochs:
+        die(f"--warmup_epochs {warmup_epochs} is longer than --epochs {epochs}; lower it")
     warmup_iters = int(warmup_epochs * niter_per_ep)
     warmup = np.linspace(start_warmup_value, base_value, warmup_iters)
     iters = np.arange(epochs * niter_per_ep - warmup_iters)
@@ -805,8 +812,9 @@ def load_state_dict_strict(module, state_dict, what="model"):
 
 
 def load_checkpoint(path):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+    try:  # the authors' full checkpoints store their args as an argparse.Namespace
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         die(f"cannot load checkpoint {path}: {e}")
 

@@ -1,0 +1,269 @@
+"""Linear evaluation of frozen features (Caron et al., "Emerging Properties in Self-Supervised Vision
+Transformers", ICCV 2021, appendix "Linear classification"; Swin features as in Li et al.,
+"Efficient Self-supervised Vision Transformers for Representation Learning" (EsViT), ICLR 2022).
+
+Protocol. The projection head is removed and the backbone frozen; a linear classifier is trained
+on its features with the labels, and central-crop accuracy is reported. The features:
+
+    ViT   the CLS tokens of the last n blocks (n = 4 for ViT-S, 1 for ViT-B), each through the final
+          LayerNorm, concatenated [n*D]. With --avgpool_patchtokens (ViT-B, n = 1), the mean of the
+          last block's normed patch tokens is added [2D].
+    Swin  the token means of the outputs of the last n *blocks* (not stages), concatenated; the
+          blocks of the last stage go through the final LayerNorm, earlier blocks do not. For Swin-T
+          with n = 4: 384 + 384 + 768 + 768 = 2304 dimensions.
+    SelfPatch  the image token of its aggregation head (n does not apply).
+
+Training (the authors' eval_linear.py): Linear(dim, classes) initialised N(0, 0.01), bias 0; SGD
+with momentum 0.9 and no weight decay, lr = 0.001 * total batch / 256, cosine annealing to 0 over
+the epochs (one value per epoch: lr_e = lr (1 + cos(pi e / epochs)) / 2, the values of the authors'
+CosineAnnealingLR), 100 epochs; cross-entropy. Train images: RandomResizedCrop
+(PyTorch defaults) + horizontal flip; validation images: Resize(256, bicubic) + CenterCrop(224).
+The paper sweeps the learning rate per model: --lr is the knob to tune.
+
+Where this file differs from the authors' eval_linear.py:
+  * with --avgpool_patchtokens the authors' code interleaves CLS and patch-mean channels
+    ([cls_0, avg_0, cls_1, avg_1, ...]); this file keeps that layout, so their linear weights load,
+    and, as in their code, allows it with one block only (n_last_blocks = 1);
+  * the last incomplete train batch is dropped (common.make_loader); validation counts every
+    image exactly once, also under torchrun;
+  * the learning rate of epoch e is computed from (e, --epochs) instead of being a scheduler state
+    that is saved and restored, so a run resumed with more --epochs follows the longer schedule;
+  * the checkpoint is linear_checkpoint.pth (not checkpoint.pth.tar), so that pointing
+    --output_dir at a pretraining folder cannot overwrite the pretraining checkpoint.
+"""
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision import transforms
+
+import common
+from eval_knn import (IndexedDataset, add_eval_data_args, add_eval_run_args, add_weights_args, all_gather_rows,
+                      load_backbone)
+
+
+# ================================================================================================
+# Arguments (defaults: the authors' eval_linear.py)
+# ================================================================================================
+def get_args_parser():
+    p = argparse.ArgumentParser("eval_linear.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_weights_args(p)
+    g = p.add_argument_group("linear probe")
+    g.add_argument("--n_last_blocks", default=4, type=int,
+                   help="concatenate the features of the last n blocks: 4 for ViT-S (the paper finds 4 "
+                        "best), 1 for ViT-B; EsViT uses 4 for Swin")
+    g.add_argument("--avgpool_patchtokens", default=False, type=common.bool_flag,
+                   help="add the mean of the patch tokens to the CLS token (ViT only, with "
+                        "--n_last_blocks 1; the paper's choice for ViT-B)")
+    g.add_argument("--epochs", default=100, type=int)
+    g.add_argument("--lr", default=0.001, type=float,
+                   help="lr at total batch 256 (linear scaling); the paper sweeps it for each model")
+    g.add_argument("--val_freq", default=1, type=int, help="validate every N epochs (and after the last)")
+    g.add_argument("--num_labels", default=None, type=int, help="number of classes (default: from the dataset)")
+    add_eval_data_args(p)
+    g = add_eval_run_args(p)
+    g.add_argument("--output_dir", default=".", type=str,
+                   help="log.txt and linear_checkpoint.pth; a run resumes from here")
+    g.add_argument("--max_steps_per_epoch", default=0, type=int,
+                   help="stop each epoch after N steps (0 = full epoch); for smoke tests")
+    return p
+
+
+# ================================================================================================
+# Features of the frozen backbone
+# ================================================================================================
+def vit_features(vit, x, n_last_blocks, avgpool_patchtokens=False):
+    """CLS tokens of the last n blocks, each through the final norm, concatenated [B, n*D]. With
+    avgpool_patchtokens (n = 1) the mean of the normed patch tokens is interleaved channel by channel
+    with the CLS token, the authors' layout: [cls_0, avg_0, cls_1, avg_1, ...] [B, 2D]."""
+    tokens = vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(x))))
+    outputs = []
+    for i, block in enumerate(vit.blocks):
+        tokens = block(tokens)
+        if i >= len(vit.blocks) - n_last_blocks:
+            outputs.append(vit.norm(tokens))
+    features = torch.cat([out[:, 0] for out in outputs], dim=-1)
+    if avgpool_patchtokens:
+        patch_mean = outputs[-1][:, vit.num_prefix_tokens:].mean(dim=1)
+        features = torch.stack([features, patch_mean], dim=-1).flatten(1)
+    return features
+
+
+def swin_features(swin, x, n_last_blocks):
+    """Token means of the outputs of the last n blocks (counted across stages), concatenated; the
+    blocks of the last stage through the final norm, earlier blocks without (EsViT)."""
+    tokens = swin.patch_embed(x)  # [B, h, w, C]
+    n_blocks = sum(len(stage.blocks) for stage in swin.layers)
+    outputs, i = [], 0
+    for s, stage in enumerate(swin.layers):
+        tokens = stage.downsample(tokens)
+        for block in stage.blocks:
+            tokens = block(tokens)
+            i += 1
+            if i > n_blocks - n_last_blocks:
+                last_stage = s == len(swin.layers) - 1
+                outputs.append((swin.norm(tokens) if last_stage else tokens).mean(dim=(1, 2)))
+    return torch.cat(outputs, dim=-1)
+
+
+def probe_features(model, x, args):
+    if isinstance(model, common.ViT):
+        return vit_features(model, x, args.n_last_blocks, args.avgpool_patchtokens)
+    if isinstance(model, common.Swin):
+        return swin_features(model, x, args.n_last_blocks)
+    return model(x)  # SelfPatch: the aggregation head's image token
+
+
+def check_feature_args(model, args):
+    if isinstance(model, common.ViT):
+        n_max = len(model.blocks)
+        if args.avgpool_patchtokens and args.n_last_blocks != 1:
+            common.die("--avgpool_patchtokens true needs --n_last_blocks 1 (the authors' layout interleaves "
+                       "one CLS token with the patch mean)")
+    elif isinstance(model, common.Swin):
+        n_max = sum(len(stage.blocks) for stage in model.layers)
+        if args.avgpool_patchtokens:
+            common.die("--avgpool_patchtokens applies to ViT CLS features; a Swin feature is already a token mean")
+    else:
+        common.log("SelfPatch: the feature is the aggregation head's image token (--n_last_blocks does not apply)")
+        return
+    if not 1 <= args.n_last_blocks <= n_max:
+        common.die(f"--n_last_blocks {args.n_last_blocks} is out of range: this backbone has {n_max} blocks")
+
+
+class LinearClassifier(nn.Module):
+    """Linear(dim, num_labels), weights N(0, 0.01), bias 0."""
+
+    def __init__(self, dim, num_labels):
+        super().__init__()
+        self.linear = nn.Linear(dim, num_labels)
+        nn.init.normal_(self.linear.weight, mean=0.0, std=0.01)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x):
+        return self.linear(x.flatten(1))
+
+
+# ================================================================================================
+# One epoch, validation
+# ================================================================================================
+def train_one_epoch(model, classifier, loader, optimizer, epoch, args, device):
+    classifier.train()
+    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
+    total_loss = torch.zeros((), device=device)
+    bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps)
+    for it, (images, labels) in enumerate(bar):
+        if it >= n_steps:
+            break
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with torch.no_grad():
+            features = probe_features(model, images, args)
+        loss = F.cross_entropy(classifier(features), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total_loss += loss.detach()
+        bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+    return {"train_loss": common.all_reduce_mean(total_loss).item() / max(n_steps, 1),
+            "lr": optimizer.param_groups[0]["lr"]}
+
+
+@torch.no_grad()
+def validate(model, classifier, loader, n_images, num_labels, args, device):
+    """Loss, top-1 and top-5 (with at least 5 classes) over every validation image exactly once."""
+    classifier.eval()
+    per_image = torch.zeros(n_images, 3, device=device)  # loss, top-1 correct, top-5 correct
+    for images, labels, index in common.progress(loader, desc="validation"):
+        images, labels, index = images.to(device), labels.to(device), index.to(device)
+        logits = classifier(probe_features(model, images, args))
+        ranked = logits.topk(min(5, num_labels), dim=1).indices == labels[:, None]
+        rows = torch.stack([F.cross_entropy(logits, labels, reduction="none"),
+                            ranked[:, 0].float(), ranked.any(dim=1).float()], dim=1)
+        rows, index = all_gather_rows(rows, index)
+        per_image[index] = rows  # the distributed sampler's padding rows repeat real images
+    loss, top1, top5 = per_image.mean(dim=0).tolist()
+    return {"val_loss": loss, "val_top1": 100 * top1, **({"val_top5": 100 * top5} if num_labels >= 5 else {})}
+
+
+def train_transform(crop):
+    return transforms.Compose([transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(),
+                               transforms.ToTensor(), transforms.Normalize(common.IMAGENET_MEAN, common.IMAGENET_STD)])
+
+
+def count_labels(dataset, args):
+    if args.num_labels:
+        return args.num_labels
+    if not hasattr(dataset, "classes"):
+        common.die(f"cannot tell the number of classes of --dataset {args.dataset}; pass --num_labels")
+    return len(dataset.classes)
+
+
+# ================================================================================================
+# main
+# ================================================================================================
+def main(args):
+    """Returns the best validation top-1 (%)."""
+    device = common.init_distributed(args.device)
+    common.fix_random_seeds(args.seed)
+    common.save_args(args)
+
+    # ---- frozen backbone; the linear probe's input size from one dry run
+    model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
+                                args.window_size, args.random_init)
+    model.to(device)
+    check_feature_args(model, args)
+    with torch.no_grad():
+        dim = probe_features(model, torch.zeros(1, 3, args.crop, args.crop, device=device), args).shape[1]
+
+    # ---- data: augmentations depend only on (seed, epoch, index)
+    train_set = common.build_dataset(args, train=True)
+    val_set = common.build_dataset(args, train=False)
+    num_labels = count_labels(train_set, args)
+    train_data = common.SeededDataset(train_set, train_transform(args.crop), seed=args.seed)
+    train_loader, sampler = common.make_loader(train_data, args.batch_size_per_gpu, args.num_workers,
+                                               train=True, seed=args.seed)
+    val_loader, _ = common.make_loader(IndexedDataset(val_set, common.eval_transform(args.resize, args.crop)),
+                                       args.batch_size_per_gpu, args.num_workers, train=False)
+    common.log(f"data: {len(train_set)} train and {len(val_set)} val images, {num_labels} classes; "
+               f"linear probe on {dim}-dimensional features")
+
+    classifier = LinearClassifier(dim, num_labels).to(device)
+    if common.is_dist():
+        classifier = nn.parallel.DistributedDataParallel(classifier, device_ids=[device] if device.type == "cuda" else None)
+    total_batch = args.batch_size_per_gpu * common.get_world_size()
+    optimizer = torch.optim.SGD(classifier.parameters(), lr=0, momentum=0.9, weight_decay=0)
+    lr_schedule = common.cosine_scheduler(args.lr * total_batch / 256, 0, args.epochs, 1)  # one value per epoch
+
+    # ---- resume from output_dir/linear_checkpoint.pth when it exists
+    start_epoch, best_top1, ckpt_path = 0, 0.0, Path(args.output_dir) / "linear_checkpoint.pth"
+    if ckpt_path.exists():
+        ckpt = common.load_checkpoint(ckpt_path)
+        common.restore(ckpt, linear=classifier, optimizer=optimizer)
+        start_epoch, best_top1 = ckpt["epoch"], ckpt["best_top1"]
+        common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far {best_top1:.2f}%)")
+
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        train_data.set_epoch(epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = float(lr_schedule[epoch])
+        record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, args, device)
+        if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
+            record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
+            best_top1 = max(best_top1, record["val_top1"])
+        record.update(epoch=epoch, best_top1=best_top1)
+        if common.is_main_process():
+            common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(), "optimizer": optimizer.state_dict(),
+                                    "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args), "backbone": info},
+                                   ckpt_path)
+        common.append_log(args.output_dir, record)
+        common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+    common.log(f"linear probe: best top-1 {best_top1:.2f}% on {len(val_set)} validation images")
+    return best_top1
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

@@ -1,0 +1,506 @@
+"""SelfPatch: adjacent patches as positives, trained jointly with DINO (Yun et al., "Patch-level
+Representation Learning for Self-supervised Vision Transformers", CVPR 2022).
+
+Idea. DINO learns one vector per image; SelfPatch adds a task for every patch token. Adjacent
+patches of an image often show the same object, so a patch should be predictable from those of
+its neighbours that look like it. For each patch i the teacher picks k positives among the 8
+cells around i (the most cosine-similar raw backbone tokens), summarises them with a small
+aggregation module (a learned query and two class-attention blocks), and the student must predict
+the distribution of that summary from patch i's own token, on the same crop. The same module,
+applied to all patches, gives the image token on which DINO's loss is computed (the ViT has no
+CLS token).
+
+Model (authors' code). Backbone: ViT without CLS token and without final norm, raw tokens
+x_1..x_N; CA = class attention (only the query is updated), q = a learned query:
+
+    image token     z   = CA2(CA1(q, {x_1..x_N}))
+    student patch   s_i = LN(x_i)                       teacher patch   y_i = LN(CA2(CA1(q, P_i)))
+    P_i = top-k of the 8 cells of the 3x3 window around i by cos(x_i, x_j)   (teacher tokens, no gradient)
+
+then a DINO head g (K = 65536) on LN(z) and a second DINO head h (K_p = 4096) on each patch.
+
+Loss (authors' code). Temperatures tau_s = 0.1 and tau_t, centers c and c_p, crops V (2 global +
+N local), H(a, b) = -sum_k a_k log b_k:
+
+    L_cls   = DINO's loss on g(LN(z)): the teacher's 2 global crops against every other crop,
+              mean over the 2 |V| - 2 pairs
+    L_patch = 1 / |V| sum_{v in V} mean_{b, i} H(softmax((h_t(y_i^v) - c_p) / tau_t), softmax(h_s(s_i^v) / tau_s))
+    L       = L_cls + 0.1 L_patch
+
+    after the step  c   <- 0.9 c   + 0.1 mean over the teacher image logits of *all* crops
+                    c_p <- 0.9 c_p + 0.1 mean over the teacher patch logits of all patches of all crops
+
+The student's patch outputs bypass the aggregation blocks, so the patch loss trains the backbone,
+the final LayerNorm and h; the query and the blocks learn through L_cls only (the teacher
+aggregates positives with their EMA).
+
+Where the paper (our copy is the supplementary) and the authors' code differ or the paper is
+silent, this file follows the code:
+  * the 3x3 window wraps around the grid borders (the code indexes modulo the grid side; the
+    paper says "adjacent"); `--neighbors_wrap false` gives the non-wrapping variant, where corner
+    patches have 3 candidates and edge patches 5;
+  * the teacher runs on every crop, the local ones too (every crop has a patch term; a comment in
+    the code says otherwise), and the image-token center averages the teacher outputs of all crops
+    (DINO: the 2 global crops);
+  * crop area ranges are (0.25, 1) global and (0.05, 0.25) local (DINO: (0.4, 1) and (0.05, 0.4));
+  * DINO's code choices carry over: mean over crop pairs, per-parameter gradient clipping, DINO's
+    bicubic position-embedding interpolation for other grid sizes (`common.ViT`).
+Other choices of this file: the authors' code accepts only 14x14 and 6x6 grids; here the
+neighbour table is built for any grid, and a grid too small for k positives stops with an error.
+Key names follow the authors' code (backbone, ca_head, c_head, p_head), so their checkpoints load.
+Only ViT backbones (SelfPatch's backbone has no CLS token and no final norm).
+
+Recipes (supplementary A):
+  ImageNet (the defaults): ViT-S/16, 200 epochs, batch 1024, 2 x 224 + 8 x 96 crops, K = 65536
+  and K_p = 4096, e.g. on 16 GPUs:
+    torchrun --nproc_per_node 8 --nnodes 2 ... selfpatch.py --data_path /path/to/imagenet/train
+  MS COCO train2017: ViT-Ti/16, 200 epochs, batch 256, 2 x 224 + 2 x 96 crops, K = K_p = 4096.
+  Make a folder whose only sub-folder is train2017 (`mkdir coco && ln -s /data/coco/train2017
+  coco/`), then on 4 GPUs:
+    torchrun --nproc_per_node 4 selfpatch.py --arch vit_tiny --data_path coco --batch_size_per_gpu 64 \
+        --local_crops_number 2 --out_dim 4096 --patch_out_dim 4096
+"""
+import argparse
+import math
+import sys
+import time
+from collections import OrderedDict
+from functools import lru_cache, partial
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+
+
+# ================================================================================================
+# Arguments (defaults: the paper's ImageNet recipe, else the authors' main_selfpatch.py)
+# ================================================================================================
+def get_args_parser():
+    p = argparse.ArgumentParser("selfpatch.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    common.add_backbone_args(p, arch="vit_small", drop_path_rate=0.1)
+
+    g = p.add_argument_group("DINO and SelfPatch heads and loss")
+    g.add_argument("--out_dim", default=65536, type=int,
+                   help="K, the number of prototypes of the image-token head (4096 for COCO)")
+    g.add_argument("--patch_out_dim", default=4096, type=int,
+                   help="K_p, the number of prototypes of the patch head (4096 for ImageNet and COCO)")
+    g.add_argument("--k_num", default=4, type=int,
+                   help="k, positives per patch among its 8 neighbours; the paper advises 4 for 8 and 16 px "
+                        "patches of 224 px images, 2 for 32 px patches")
+    g.add_argument("--neighbors_wrap", default=True, type=common.bool_flag,
+                   help="the 3x3 window wraps around the grid borders, as in the authors' code; with false, "
+                        "corner patches have only 3 candidates, so --k_num must be at most 3")
+    g.add_argument("--patch_loss_weight", default=0.1, type=float, help="weight of the patch loss (authors' code)")
+    g.add_argument("--norm_last_layer", default=True, type=common.bool_flag,
+                   help="freeze the gain of the weight-normalised last layer of both heads (stabler)")
+    g.add_argument("--use_bn_in_head", default=False, type=common.bool_flag,
+                   help="batch norm in the head MLPs (not with ViTs)")
+    g.add_argument("--momentum_teacher", default=0.996, type=float,
+                   help="EMA momentum base, cosine to 1; use 0.9995 with batches of 256 or less")
+    g.add_argument("--warmup_teacher_temp", default=0.04, type=float, help="teacher temperature at epoch 0")
+    g.add_argument("--teacher_temp", default=0.04, type=float,
+                   help="teacher temperature after warmup (both terms); above 0.07 training becomes unstable")
+    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=int,
+                   help="epochs of linear teacher-temperature warmup")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch_size_per_gpu", default=64, type=int, help="images per process (the paper: 1024 in total)")
+    g.add_argument("--epochs", default=200, type=int)
+    g.add_argument("--lr", default=0.0005, type=float, help="peak lr at total batch 256 (linear scaling)")
+    g.add_argument("--min_lr", default=1e-6, type=float, help="lr at the end of the cosine schedule")
+    g.add_argument("--warmup_epochs", default=10, type=int, help="linear lr warmup from 0")
+    g.add_argument("--weight_decay", default=0.04, type=float, help="weight decay at the start (cosine)")
+    g.add_argument("--weight_decay_end", default=0.4, type=float, help="weight decay at the end")
+    g.add_argument("--clip_grad", default=3.0, type=float, help="per-parameter gradient norm clip (0 = off)")
+    g.add_argument("--freeze_last_layer", default=1, type=int,
+                   help="epochs during which the heads' last layers are not updated (helps early training)")
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (ViT) or sgd")
+
+    common.add_multicrop_args(p, global_crops_scale=(0.25, 1.0), local_crops_scale=(0.05, 0.25))
+    common.add_data_args(p)
+    common.add_run_args(p, saveckp_freq=10)
+    return p
+
+
+# ================================================================================================
+# Loss
+# ================================================================================================
+class SelfPatchLoss(nn.Module):
+    """DINO's loss on the image tokens plus the patch loss: on every crop, the student's distribution
+    of patch i against the teacher's distribution of the aggregate of i's positives.
+
+        L = L_cls + w * 1/|V| sum_v mean_{b, i} H(softmax((t_i^v - c_p) / tau_t), softmax(s_i^v / tau_s))
+    """
+
+    def __init__(self, out_dim, patch_out_dim, ncrops, warmup_teacher_temp, teacher_temp,
+                 warmup_teacher_temp_epochs, nepochs, patch_loss_weight=0.1, student_temp=0.1,
+                 center_momentum=0.9):
+        super().__init__()
+        self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
+        self.patch_loss_weight = patch_loss_weight
+        self.register_buffer("center", torch.zeros(1, out_dim))
+        self.register_buffer("patch_center", torch.zeros(1, patch_out_dim))
+        self.teacher_temp_schedule = common.teacher_temperature_schedule(
+            warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs)
+
+    def forward(self, student_output, teacher_output, epoch):
+        """Each output is (image logits [ncrops*B, K], patch logits [[n*B, N, K_p] per resolution
+        group]), crop-major rows, as `SelfPatch.forward` returns them."""
+        (student_image, student_patches), (teacher_image, teacher_patches) = student_output, teacher_output
+        student_image, teacher_image = student_image.float(), teacher_image.float()
+        temp = self.teacher_temp_schedule[epoch]
+        # image tokens: DINO's loss, the teacher's 2 global crops against every other crop
+        log_p = F.log_softmax(student_image / self.student_temp, dim=-1).unflatten(0, (self.ncrops, -1))
+        q = F.softmax((teacher_image.unflatten(0, (self.ncrops, -1))[:2] - self.center) / temp, dim=-1).detach()
+        batch = q.shape[1]
+        ce = -torch.einsum("tbk,sbk->ts", q, log_p) / batch      # [2, ncrops]: teacher crop t, student crop s
+        is_other_crop = ~torch.eye(2, self.ncrops, dtype=torch.bool, device=ce.device)
+        cls_loss = ce[is_other_crop].mean()
+        # patches: same crop for both networks; mean over the patches of each crop, then over crops
+        patch_ce = []
+        for s, t in zip(student_patches, teacher_patches):      # one [n*B, N, K_p] pair per resolution
+            q_patch = F.softmax((t.float() - self.patch_center) / temp, dim=-1).detach()
+            patch_ce.append(-(q_patch * F.log_softmax(s.float() / self.student_temp, dim=-1)).sum(-1).mean(-1))
+        patch_loss = torch.cat(patch_ce).mean()                 # [ncrops*B] per-(crop, image) means
+        loss = cls_loss + self.patch_loss_weight * patch_loss
+        self.update_centers(teacher_image, teacher_patches)
+        teacher_entropy = -(q * q.clamp_min(1e-12).log()).sum(-1).mean()
+        return {"loss": loss, "cls_loss": cls_loss.detach(), "patch_loss": patch_loss.detach(),
+                "teacher_entropy": teacher_entropy.detach(), "center_norm": self.center.norm(),
+                "patch_center_norm": self.patch_center.norm()}
+
+    @torch.no_grad()
+    def update_centers(self, teacher_image, teacher_patches):
+        """EMA of the mean raw teacher output of every process: image logits of all crops, and patch
+        logits of all patches of all crops (each patch weighs the same, whatever its crop's size)."""
+        world = common.get_world_size()
+        image_center = common.all_reduce_sum(teacher_image.sum(dim=0, keepdim=True)) / (len(teacher_image) * world)
+        patch_sum = common.all_reduce_sum(sum(t.float().sum(dim=(0, 1)) for t in teacher_patches)[None])
+        patch_center = patch_sum / (sum(t.shape[0] * t.shape[1] for t in teacher_patches) * world)
+        self.center.mul_(self.center_momentum).add_(image_center, alpha=1 - self.center_momentum)
+        self.patch_center.mul_(self.center_momentum).add_(patch_center, alpha=1 - self.center_momentum)
+
+
+# ================================================================================================
+# Positives: the k most similar of the 8 adjacent patches
+# ================================================================================================
+WINDOW = [(dr, dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1) if (dr, dc) != (0, 0)]
+
+
+@lru_cache(maxsize=None)
+def neighbor_table(h, w, wrap=True):
+    """Candidate positives of every patch of an h x w grid (row-major flat indices i = row*w + col):
+    the cells of its 3x3 window. Returns (index [N, 8] ascending per row, valid [N, 8] bool).
+
+    wrap=True (the authors' code): rows and columns wrap around the borders, so every patch has 8
+    candidates; on a side shorter than 3 a cell counts once and never as its own neighbour.
+    wrap=False: cells outside the grid are invalid (3 candidates at corners, 5 along edges).
+    Invalid entries hold the patch's own index, so that indexing with the table stays in range.
+    """
+    rows = torch.arange(h).repeat_interleave(w)[:, None] + torch.tensor([dr for dr, _ in WINDOW])
+    cols = torch.arange(w).repeat(h)[:, None] + torch.tensor([dc for _, dc in WINDOW])
+    inside = (rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)
+    index = (rows % h) * w + cols % w
+    itself = torch.arange(h * w)[:, None]
+    valid = (torch.ones_like(inside) if wrap else inside) & (index != itself)
+    same_as_earlier = (index[:, :, None] == index[:, None, :]) & valid[:, None, :]
+    valid &= ~same_as_earlier.tril(diagonal=-1).any(-1)
+    index, order = torch.where(valid, index, itself).sort(dim=1)
+    return index, valid.gather(1, order)
+
+
+@torch.no_grad()
+def select_positives(tokens, neighbors, valid, k):
+    """tokens [B, N, C] (the teacher's raw backbone tokens) -> [B, N, k]: flat indices of each patch's
+    k valid candidates (`neighbor_table`) with the highest cosine similarity to it."""
+    x = F.normalize(tokens.float(), dim=-1)
+    similarity = (x @ x.transpose(1, 2)).gather(2, neighbors.expand(len(x), -1, -1))  # [B, N, 8]
+    best = similarity.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices        # positions in the table
+    return neighbors.expand(len(x), -1, -1).gather(2, best)
+
+
+# ================================================================================================
+# Model: ViT without CLS token + aggregation module + image and patch heads over all crops
+# ================================================================================================
+class ClassAttentionBlock(nn.Module):
+    """CaiT's class-attention block without LayerScale: the query attends over [query; tokens] (itself
+    included) and only the query is updated; the tokens pass through unchanged."""
+
+    def __init__(self, dim, num_heads, mlp_ratio=4.0, eps=1e-6):
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = nn.ModuleDict({name: nn.Linear(dim, dim) for name in ("q", "k", "v", "proj")})
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        hidden = int(dim * mlp_ratio)
+        self.mlp = nn.Sequential(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim)))
+
+    def split_heads(self, x):                                    # [M, L, C] -> [M, heads, L, C / heads]
+        return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+
+    def forward(self, query, tokens):
+        """query [M, 1, C], tokens [M, T, C] -> the updated query [M, 1, C]."""
+        u = self.norm1(torch.cat([query, tokens], dim=1))              # keys and values: query included
+        q = self.split_heads(self.attn["q"](u[:, :1]))
+        k, v = self.split_heads(self.attn["k"](u)), self.split_heads(self.attn["v"](u))
+        attn = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)   # [M, heads, 1, 1 + T]
+        query = query + self.attn["proj"]((attn @ v).transpose(1, 2).flatten(2))
+        return query + self.mlp(self.norm2(query))
+
+
+class AggregationModule(nn.Module):
+    """A learned query, two class-attention blocks and a final LayerNorm (the authors' `SelfPatchHead`).
+    Summarises a set of tokens into one: all patches of an image (the image token), or the
+    positives of one patch."""
+
+    def __init__(self, dim, num_heads, num_blocks=2):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))       # the learned query (authors' name)
+        self.cls_blocks = nn.ModuleList(ClassAttentionBlock(dim, num_heads) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    def summarize(self, tokens):
+        """tokens [M, T, C] -> [M, C], before the final LayerNorm."""
+        query = self.cls_token.expand(len(tokens), -1, -1)
+        for block in self.cls_blocks:
+            query = block(query, tokens)
+        return query[:, 0]
+
+    def forward(self, tokens, positives=None):
+        """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs are the
+        tokens themselves (student), or given positives [B, N, k] (teacher) the summary of each
+        patch's k positives, the patch itself not included."""
+        image = self.summarize(tokens)[:, None]
+        if positives is not None:
+            B, N, k = positives.shape
+            gathered = tokens[torch.arange(B, device=tokens.device)[:, None, None], positives]  # [B, N, k, C]
+            tokens = self.summarize(gathered.flatten(0, 1)).unflatten(0, (B, N))
+        return self.norm(torch.cat([image, tokens], dim=1))
+
+
+class SelfPatch(nn.Module):
+    """Backbone (ViT without CLS token or final norm) -> aggregation module -> DINO head on the image
+    token (c_head) and DINO head on every patch (p_head). Consecutive crops of equal resolution go
+    through the backbone as one batch."""
+
+    def __init__(self, backbone, ca_head, c_head, p_head, k_num=4, neighbors_wrap=True):
+        super().__init__()
+        self.backbone, self.ca_head, self.c_head, self.p_head = backbone, ca_head, c_head, p_head
+        self.k_num, self.neighbors_wrap = k_num, neighbors_wrap
+
+    def forward(self, crops, aggregate_positives=False):
+        """(image logits [ncrops*B, K], patch logits [[n*B, N, K_p] per resolution group]). Patch i is
+        the student's own token, or with `aggregate_positives` (teacher) the aggregate of its positives."""
+        image_logits, patch_logits = [], []
+        for _, grid in common.forward_multicrop(partial(self.backbone.forward_dense, norm=False), crops):
+            positives = self.positives(grid) if aggregate_positives else None
+            out = self.ca_head(grid.flatten(1, 2), positives)            # [n*B, 1 + N, C]
+            image_logits.append(self.c_head(out[:, 0]))
+            patch_logits.append(self.p_head(out[:, 1:].flatten(0, 1)).unflatten(0, (len(out), -1)))
+        return torch.cat(image_logits), patch_logits
+
+    def positives(self, grid):
+        """grid [B, h, w, C] raw tokens -> [B, h*w, k] flat indices of every patch's positives."""
+        h, w = grid.shape[1:3]
+        neighbors, valid = neighbor_table(h, w, self.neighbors_wrap)
+        fewest = int(valid.sum(1).min())
+        if not 1 <= self.k_num <= fewest:
+            fix = "larger crops or a smaller --patch_size" if self.neighbors_wrap else "--neighbors_wrap true"
+            common.die(f"--k_num {self.k_num} needs 1 to {fewest} positives on a {h}x{w} patch grid with "
+                       f"--neighbors_wrap {str(self.neighbors_wrap).lower()}: lower --k_num, or use {fix}")
+        return select_positives(grid.flatten(1, 2), neighbors.to(grid.device), valid.to(grid.device), self.k_num)
+
+    def image_features(self, images):
+        """[B, D] image token for evaluation (k-NN, linear): the aggregation module's summary of all
+        patches after its final LayerNorm, before the heads."""
+        _, grid = self.backbone.forward_dense(images, norm=False)
+        return self.ca_head.norm(self.ca_head.summarize(grid.flatten(1, 2)))
+
+
+def build_model(args, drop_path_rate):
+    if common.ARCHS.get(args.arch, {}).get("family") != "vit":
+        common.die(f"--arch {args.arch}: SelfPatch is implemented for ViT backbones only (vit_*)")
+    backbone = common.build_backbone(args.arch, args.patch_size, args.window_size, drop_path_rate,
+                                     class_token=False, final_norm=False)
+    dim = backbone.num_features
+    ca_head = AggregationModule(dim, backbone.blocks[0].attn.num_heads)
+    c_head = common.DINOHead(dim, args.out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer)
+    p_head = common.DINOHead(dim, args.patch_out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer)
+    return SelfPatch(backbone, ca_head, c_head, p_head, args.k_num, args.neighbors_wrap)
+
+
+# ================================================================================================
+# One epoch
+# ================================================================================================
+def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step, args, device):
+    n_steps = len(schedules["lr"]) // args.epochs
+    totals, start, images = {}, time.time(), 0
+    bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps - start_step)
+    for it, ((crops, _geometry), _labels) in enumerate(bar, start=start_step):
+        if it >= n_steps:
+            break
+        step = epoch * n_steps + it                      # global iteration: indexes every schedule
+        lr, wd, momentum = (float(schedules[k][step]) for k in ("lr", "wd", "momentum"))
+        for i, group in enumerate(optimizer.param_groups):
+            group["lr"] = lr
+            if i == 0:                                   # only the first group is regularised
+                group["weight_decay"] = wd
+        crops = [c.to(device, non_blocking=True) for c in crops]
+
+        with common.autocast(device, args.precision):
+            with torch.no_grad():
+                teacher_output = teacher(crops, aggregate_positives=True)  # every crop has a patch term
+            student_output = student(crops)
+            losses = criterion(student_output, teacher_output, epoch)
+        loss = losses["loss"]
+        stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args)
+
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if args.clip_grad:
+            scaler.unscale_(optimizer)
+            common.clip_gradients(student, args.clip_grad)
+        common.cancel_gradients_last_layer(epoch, student, args.freeze_last_layer)
+        scaler.step(optimizer)
+        scaler.update()
+        common.update_teacher(student, teacher, momentum)
+
+        stats = {k: v.item() for k, v in losses.items()}
+        stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[epoch]))
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v
+        images += len(crops[0]) * common.get_world_size()
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", cls=f"{stats['cls_loss']:.4f}", patch=f"{stats['patch_loss']:.4f}",
+                        lr=f"{stats['lr']:.2e}", wd=f"{stats['wd']:.3f}", mom=f"{stats['momentum']:.4f}",
+                        H_t=f"{stats['teacher_entropy']:.2f}")
+
+        preempted = common.preemption_requested(device)   # SIGTERM / SIGUSR1 in any process
+        periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
+        if (preempted or periodic) and it + 1 < n_steps:  # after an epoch's last step, main() saves
+            save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args)
+            if preempted:
+                common.exit_after_preemption(args.output_dir)
+    record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
+    record.update(epoch=epoch, images_per_s=images / (time.time() - start),
+                  peak_memory_mb=common.peak_memory_mb(device))
+    return record
+
+
+def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args):
+    """On a non-finite loss (in any process), save a debug checkpoint and stop with advice."""
+    bad = common.all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
+    if bad.item() == 0:
+        return
+    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
+    state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
+             "optimizer": optimizer.state_dict(), "selfpatch_loss": criterion.state_dict(), "epoch": epoch,
+             "args": vars(args)}
+    if common.is_main_process():
+        common.save_checkpoint(state, path)
+    common.log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
+               f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
+               f"gradients. Try --precision fp32, a lower --lr, or --clip_grad 3.0 (or lower).")
+    sys.exit(1)
+
+
+# ================================================================================================
+# main
+# ================================================================================================
+def main(args):
+    device = common.init_distributed(args.device)
+    common.install_preemption_handler()
+    common.fix_random_seeds(args.seed)
+    common.save_args(args)
+    common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
+
+    # ---- data: every sample's crops depend only on (seed, epoch, index)
+    augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
+                                           args.global_crop_size, args.local_crop_size)
+    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed)
+    loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers, train=True, seed=args.seed)
+    common.log(f"data: {len(dataset)} images, {len(loader)} steps per epoch")
+
+    # ---- student and teacher start from the same weights; the teacher has no drop path
+    student = build_model(args, args.drop_path_rate).to(device)
+    teacher = build_model(args, 0.0).to(device)
+    teacher.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False)
+    if common.is_dist():
+        if args.use_bn_in_head:
+            student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
+            teacher = nn.SyncBatchNorm.convert_sync_batchnorm(teacher)
+        student = nn.parallel.DistributedDataParallel(student, device_ids=[device] if device.type == "cuda" else None)
+    common.log(f"student and teacher: {args.arch}, {sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters each")
+
+    criterion = SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2, args.warmup_teacher_temp,
+                              args.teacher_temp, args.warmup_teacher_temp_epochs, args.epochs,
+                              args.patch_loss_weight).to(device)
+    params = common.get_params_groups(student)
+    optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
+                 else torch.optim.SGD(params, lr=0, momentum=0.9))
+    scaler = common.make_grad_scaler(device, args.precision)
+
+    # ---- schedules, one value per iteration (lr scaled linearly with the total batch)
+    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
+    total_batch = args.batch_size_per_gpu * common.get_world_size()
+    schedules = {
+        "lr": common.cosine_scheduler(args.lr * total_batch / 256, args.min_lr, args.epochs, n_steps, args.warmup_epochs),
+        "wd": common.cosine_scheduler(args.weight_decay, args.weight_decay_end, args.epochs, n_steps),
+        "momentum": common.cosine_scheduler(args.momentum_teacher, 1, args.epochs, n_steps),
+    }
+
+    # ---- resume from output_dir/checkpoint.pth when it exists
+    start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
+    if ckpt_path.exists():
+        ckpt = common.load_checkpoint(ckpt_path)
+        common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, selfpatch_loss=criterion)
+        start_epoch, start_step = ckpt["epoch"], ckpt["step"]
+        common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
+        common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
+
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
+        dataset.set_epoch(epoch)
+        record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
+                                 args, device)
+        start_step = 0
+        save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args)
+        record["skipped_images"] = common.skipped_images(dataset)
+        common.append_log(args.output_dir, record)
+        common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        if common.preemption_requested(device):
+            common.exit_after_preemption(args.output_dir)
+    common.log(f"done; teacher for evaluation (its image token): {Path(args.output_dir) / 'checkpoint.pth'}")
+
+
+def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
+    """checkpoint.pth: everything needed to resume at batch `step` of `epoch` (every process takes
+    part: each one's RNG state is saved; eval_knn.py and eval_linear.py read its teacher). At an
+    epoch boundary (step 0) also a copy every saveckp_freq epochs and the teacher backbone alone
+    with timm key names (for timm and dense tasks)."""
+    state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
+             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+             "selfpatch_loss": criterion.state_dict(), "epoch": epoch, "step": step, "args": vars(args),
+             "method": "selfpatch", "rng": common.all_gather_objects(common.rng_state())}
+    if not common.is_main_process():
+        return
+    out = Path(args.output_dir)
+    common.save_checkpoint(state, out / "checkpoint.pth")
+    if step == 0 and (args.saveckp_freq and epoch % args.saveckp_freq == 0 or epoch == args.epochs):
+        if epoch < args.epochs:
+            common.save_checkpoint(state, out / f"checkpoint{epoch:04d}.pth")
+        common.save_checkpoint(teacher.backbone.state_dict(), out / "teacher_backbone.pth")
+
+
+if __name__ == "__main__":
+    with common.user_errors():
+        main(get_args_parser().parse_args())

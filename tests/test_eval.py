@@ -1,0 +1,377 @@
+"""eval_knn.py and eval_linear.py: the weighted k-NN vote against a naive per-sample statement and
+the DINO authors' numbers, strict loading of every supported checkpoint layout, the linear-probe
+features (ViT and Swin), the linear probe's training, and both scripts end to end on `synthetic`.
+
+tests/data/eval_knn_reference.pt holds inputs and outputs of the DINO authors' knn_classifier
+(facebookresearch/dino @ 7c446df5, eval_knn.py; see its "source" entry).
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+import eval_knn  # noqa: E402
+import eval_linear  # noqa: E402
+
+KNN_REFERENCE = torch.load(ROOT / "tests/data/eval_knn_reference.pt", weights_only=True)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+DATA = ["--dataset", "synthetic", "--synthetic_images", "70", "--synthetic_image_size", "32",
+        "--resize", "32", "--crop", "32", "--batch_size_per_gpu", "8", "--num_workers", "0"]
+
+
+# ================================================================================================
+# Weighted k-NN
+# ================================================================================================
+def naive_knn_vote(train_features, train_labels, x, k, T):
+    """One test feature: sort every train image by cosine similarity, let the k first vote
+    exp(sim / T) for their label. Returns {class: score} of the classes that got votes."""
+    sims = [(float(x @ f), int(c)) for f, c in zip(train_features, train_labels)]
+    sims.sort(key=lambda s: -s[0])
+    scores = {}
+    for sim, c in sims[:k]:
+        scores[c] = scores.get(c, 0.0) + math.exp(sim / T)
+    return scores
+
+
+@pytest.mark.parametrize("num_classes, k, T", [(3, 1, 0.07), (3, 10, 0.5), (6, 20, 0.07), (12, 7, 0.1), (12, 40, 0.07)])
+def test_knn_matches_naive_vote(num_classes, k, T):
+    g = torch.Generator().manual_seed(num_classes * 100 + k)
+    train = F.normalize(torch.randn(60, 8, generator=g), dim=1)
+    test = F.normalize(torch.randn(37, 8, generator=g), dim=1)   # fewer than 100 test rows
+    train_labels = torch.randint(0, num_classes, (60,), generator=g)
+    test_labels = torch.randint(0, num_classes, (37,), generator=g)
+    correct1 = []
+    for i in range(len(test)):
+        scores = naive_knn_vote(train, train_labels, test[i], k, T)
+        target = int(test_labels[i])
+        higher = sum(s > scores.get(target, 0.0) for s in scores.values())
+        correct1.append(target in scores and higher == 0)
+        top1, top5 = eval_knn.knn_classifier(train, train_labels, test[i:i + 1], test_labels[i:i + 1], k, T, num_classes)
+        assert top1 == 100.0 * correct1[-1]
+        if num_classes < 5:
+            assert top5 is None
+        elif target in scores or len(scores) >= min(5, k):  # no tie among zero-vote classes decides it
+            assert top5 == 100.0 * (target in scores and higher < min(5, k))
+    for chunk_size in (1, 5, 256):   # chunking changes nothing
+        top1, _ = eval_knn.knn_classifier(train, train_labels, test, test_labels, k, T, num_classes, chunk_size)
+        assert top1 == pytest.approx(100.0 * sum(correct1) / len(test), abs=1e-9)
+
+
+def test_knn_matches_authors_code():
+    r = KNN_REFERENCE
+    for case in r["results"]:
+        for chunk_size in (7, 256):
+            top1, top5 = eval_knn.knn_classifier(r["train_features"], r["train_labels"], r["test_features"],
+                                                 r["test_labels"], case["k"], case["T"], case["num_classes"], chunk_size)
+            assert top1 == pytest.approx(case["expected_top1"], abs=1e-9)
+            assert top5 == pytest.approx(case["expected_top5"], abs=1e-9)
+
+
+def test_knn_separable_features_are_perfect():
+    g = torch.Generator().manual_seed(0)
+    centers = torch.eye(16)[:7]                                      # 7 orthogonal class directions
+    train_labels, test_labels = torch.arange(70) % 7, torch.arange(21) % 7
+    train = F.normalize(centers[train_labels] + 0.05 * torch.randn(70, 16, generator=g), dim=1)
+    test = F.normalize(centers[test_labels] + 0.05 * torch.randn(21, 16, generator=g), dim=1)
+    for k in (1, 10, 20):
+        assert eval_knn.knn_classifier(train, train_labels, test, test_labels, k, 0.07, 7) == (100.0, 100.0)
+    wrong = (test_labels + 1) % 7                                    # and the test can fail
+    assert eval_knn.knn_classifier(train, train_labels, test, wrong, 10, 0.07, 7)[0] == 0.0
+
+
+def test_gather_rows_single_process_is_identity():
+    a, b = torch.randn(5, 3), torch.arange(5)
+    out = eval_knn.all_gather_rows(a, b)
+    assert out[0] is a and out[1] is b
+
+
+# Defaults of the authors' argparse (facebookresearch/dino @ 7c446df5, eval_knn.py and eval_linear.py)
+# for the options both share with this repository's scripts.
+AUTHORS_KNN_DEFAULTS = {"batch_size_per_gpu": 128, "nb_knn": [10, 20, 100, 200], "temperature": 0.07,
+                        "pretrained_weights": "", "arch": "vit_small", "patch_size": 16, "checkpoint_key": "teacher",
+                        "dump_features": None, "load_features": None, "num_workers": 10}
+AUTHORS_LINEAR_DEFAULTS = {"n_last_blocks": 4, "avgpool_patchtokens": False, "arch": "vit_small", "patch_size": 16,
+                           "pretrained_weights": "", "checkpoint_key": "teacher", "epochs": 100, "lr": 0.001,
+                           "batch_size_per_gpu": 128, "num_workers": 10, "val_freq": 1, "output_dir": "."}
+
+
+def test_argparse_defaults_match_authors():
+    knn = vars(eval_knn.get_args_parser().parse_args([]))
+    linear = vars(eval_linear.get_args_parser().parse_args([]))
+    assert {k: knn[k] for k in AUTHORS_KNN_DEFAULTS} == AUTHORS_KNN_DEFAULTS
+    assert {k: linear[k] for k in AUTHORS_LINEAR_DEFAULTS} == AUTHORS_LINEAR_DEFAULTS
+    assert (knn["resize"], knn["crop"]) == (linear["resize"], linear["crop"]) == (256, 224)
+
+
+# ================================================================================================
+# Loading checkpoints
+# ================================================================================================
+@pytest.fixture(scope="module")
+def dino_run(tmp_path_factory):
+    """A tiny DINO run written by dino.py itself: checkpoint.pth and teacher_backbone.pth."""
+    out = tmp_path_factory.mktemp("dino")
+    cmd = [sys.executable, "dino.py", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "64",
+           "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16",
+           "--local_crops_number", "2", "--out_dim", "64", "--batch_size_per_gpu", "8", "--epochs", "1",
+           "--warmup_epochs", "0", "--max_steps_per_epoch", "2", "--num_workers", "0", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("key", ["teacher", "student"])
+def test_load_full_checkpoint(dino_run, key):
+    ckpt = torch.load(dino_run / "checkpoint.pth", weights_only=True)
+    # the architecture comes from the checkpoint: the (wrong) flags are ignored
+    model, info = eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), key, arch="swin_pico", patch_size=8)
+    assert info["arch"] == "vit_pico" and info["method"] == "dino" and isinstance(model, common.ViT)
+    expected = {k.removeprefix("backbone."): v for k, v in ckpt[key].items() if k.startswith("backbone.")}
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    with pytest.raises(SystemExit, match="checkpoint_key"):
+        eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), "ema")
+
+
+def test_teacher_and_student_differ_after_training(dino_run):
+    teacher, _ = eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), "teacher")
+    student, _ = eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), "student")
+    assert not torch.equal(teacher.blocks[0].attn.qkv.weight, student.blocks[0].attn.qkv.weight)
+
+
+def test_load_teacher_backbone_needs_the_arch(dino_run):
+    path = str(dino_run / "teacher_backbone.pth")
+    model, info = eval_knn.load_backbone(path, arch="vit_pico", patch_size=16)
+    ckpt = torch.load(dino_run / "checkpoint.pth", weights_only=True)
+    assert torch.equal(model.pos_embed, ckpt["teacher"]["backbone.pos_embed"])
+    with pytest.raises(SystemExit, match="does not match"):
+        eval_knn.load_backbone(path, arch="vit_tiny", patch_size=16)
+
+
+def test_load_timm_layout_state_dict(tmp_path):
+    """A released DINO ViT file is a plain state dict in timm's layout: it loads strictly and gives
+    timm's own output; a missing or an extra key is an error, not a partial load."""
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0).eval()
+    torch.save(reference.state_dict(), tmp_path / "dino_vit.pth")
+    model, _ = eval_knn.load_backbone(str(tmp_path / "dino_vit.pth"), arch="vit_tiny", patch_size=16)
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=1e-5)
+    for edit in ("missing", "extra"):
+        state = reference.state_dict()
+        if edit == "missing":
+            del state["blocks.3.mlp.fc1.bias"]
+        else:
+            state["blocks.3.extra"] = torch.zeros(1)
+        torch.save(state, tmp_path / "bad.pth")
+        with pytest.raises(SystemExit, match="blocks.3"):
+            eval_knn.load_backbone(str(tmp_path / "bad.pth"), arch="vit_tiny", patch_size=16)
+
+
+def official_swin_layout(timm_state):
+    """Write a timm Swin state dict the way the EsViT / GLSD authors' checkpoints hold it: patch
+    merging at the end of the previous stage, the relative-position buffers, DINO heads, and the
+    `module.backbone.` prefixes of the wrapped teacher."""
+    state = {}
+    for k, v in timm_state.items():
+        parts = k.split(".")
+        if parts[0] == "layers" and parts[2] == "downsample":
+            parts[1] = str(int(parts[1]) - 1)
+        state["module.backbone." + ".".join(parts)] = v
+        if k.endswith("attn.relative_position_bias_table"):
+            state["module.backbone." + k.replace("bias_table", "index")] = torch.zeros(49, 49, dtype=torch.long)
+    state["module.backbone.layers.0.blocks.1.attn_mask"] = torch.zeros(4, 49, 49)
+    state["module.backbone.head.mlp.0.weight"] = torch.zeros(8, 256)
+    state["module.backbone.head_dense.last_layer.weight_g"] = torch.ones(8, 1)
+    return state
+
+
+def test_load_esvit_swin_checkpoint(tmp_path):
+    common.fix_random_seeds(0)
+    reference = common.build_backbone("swin_pico").eval()
+    state = official_swin_layout(reference.state_dict())
+    assert "module.backbone.layers.0.downsample.reduction.weight" in state
+    torch.save({"teacher": state, "student": {}, "epoch": 300}, tmp_path / "esvit.pth")
+    model, _ = eval_knn.load_backbone(str(tmp_path / "esvit.pth"), "teacher", arch="swin_pico")
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    with pytest.raises(SystemExit, match="does not match"):   # another Swin size is an error
+        eval_knn.load_backbone(str(tmp_path / "esvit.pth"), "teacher", arch="swin_tiny")
+
+
+def test_load_selfpatch_checkpoint(tmp_path):
+    selfpatch = pytest.importorskip("selfpatch")
+    args = selfpatch.get_args_parser().parse_args(["--arch", "vit_pico", "--out_dim", "16", "--patch_out_dim", "16"])
+    common.fix_random_seeds(0)
+    reference = selfpatch.build_model(args, 0.0).eval()
+    torch.save({"teacher": reference.state_dict(), "student": reference.state_dict(), "args": vars(args),
+                "method": "selfpatch"}, tmp_path / "checkpoint.pth")
+    model, info = eval_knn.load_backbone(str(tmp_path / "checkpoint.pth"), "teacher")
+    assert info["method"] == "selfpatch"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference.image_features(x), rtol=0, atol=0)
+        random_model, _ = eval_knn.load_backbone(str(tmp_path / "checkpoint.pth"), "teacher", random_init=True)
+        assert not torch.allclose(random_model(x), model(x))
+
+
+def test_random_init_and_missing_weights():
+    common.fix_random_seeds(0)
+    a, info = eval_knn.load_backbone("", arch="vit_pico", random_init=True)
+    common.fix_random_seeds(0)
+    b, _ = eval_knn.load_backbone("", arch="vit_pico", random_init=True)
+    assert info["method"] == "random" and torch.equal(a.pos_embed, b.pos_embed)
+    with pytest.raises(SystemExit, match="--pretrained_weights"):
+        eval_knn.load_backbone("", arch="vit_pico")
+
+
+# ================================================================================================
+# Linear-probe features
+# ================================================================================================
+def block_outputs(blocks, run):
+    """Outputs of each module in `blocks` during `run()`, through forward hooks."""
+    outputs = []
+    handles = [b.register_forward_hook(lambda m, i, o: outputs.append(o)) for b in blocks]
+    run()
+    for h in handles:
+        h.remove()
+    return outputs
+
+
+def test_vit_linear_features():
+    common.fix_random_seeds(0)
+    vit = common.build_backbone("vit_pico").eval()
+    x = torch.randn(3, 3, 32, 48)
+    with torch.no_grad():
+        outputs = block_outputs(vit.blocks, lambda: vit(x))
+        feats = eval_linear.vit_features(vit, x, 3)
+        expected = torch.cat([vit.norm(o)[:, 0] for o in outputs[-3:]], dim=1)
+        torch.testing.assert_close(feats, expected, rtol=0, atol=1e-6)
+        both = eval_linear.vit_features(vit, x, 1, avgpool_patchtokens=True)    # the authors' interleaved layout
+        cls, grid = vit.forward_dense(x)
+        assert both.shape == (3, 128)
+        torch.testing.assert_close(both[:, 0::2], cls, rtol=0, atol=1e-6)
+        torch.testing.assert_close(both[:, 1::2], grid.mean(dim=(1, 2)), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch, n, dim", [("swin_pico", 4, 128 + 128 + 256 + 256), ("swin_pico", 5, 64 + 768),
+                                          ("swin_tiny", 4, 384 + 384 + 768 + 768)])
+def test_swin_linear_features(arch, n, dim):
+    common.fix_random_seeds(0)
+    swin = common.build_backbone(arch).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        blocks = [b for stage in swin.layers for b in stage.blocks]
+        last_stage = set(map(id, swin.layers[-1].blocks))
+        outputs = block_outputs(blocks, lambda: swin(x))
+        feats = eval_linear.swin_features(swin, x, n)
+        expected = torch.cat([(swin.norm(o) if id(b) in last_stage else o).mean(dim=(1, 2))
+                              for b, o in zip(blocks[-n:], outputs[-n:])], dim=1)
+    assert feats.shape == (2, dim)
+    torch.testing.assert_close(feats, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(feats[:, -swin.num_features:], swin(x), rtol=0, atol=1e-6)
+
+
+def test_feature_arguments_are_checked():
+    vit, swin = common.build_backbone("vit_pico"), common.build_backbone("swin_pico")
+    with pytest.raises(SystemExit, match="n_last_blocks 1"):
+        eval_linear.check_feature_args(vit, argparse.Namespace(n_last_blocks=4, avgpool_patchtokens=True))
+    with pytest.raises(SystemExit, match="out of range"):
+        eval_linear.check_feature_args(vit, argparse.Namespace(n_last_blocks=5, avgpool_patchtokens=False))
+    with pytest.raises(SystemExit, match="avgpool_patchtokens"):
+        eval_linear.check_feature_args(swin, argparse.Namespace(n_last_blocks=1, avgpool_patchtokens=True))
+    eval_linear.check_feature_args(swin, argparse.Namespace(n_last_blocks=8, avgpool_patchtokens=False))
+
+
+# ================================================================================================
+# The linear probe's training
+# ================================================================================================
+def test_linear_probe_learns_separable_features():
+    """train_one_epoch + validate on features that are linearly separable (an identity "backbone")."""
+    g = torch.Generator().manual_seed(0)
+    centers = 3 * torch.randn(6, 12, generator=g)
+    labels = torch.arange(300) % 6
+    features = centers[labels] + torch.randn(300, 12, generator=g)
+    train = torch.utils.data.TensorDataset(features[:240], labels[:240])
+    val = torch.utils.data.TensorDataset(features[240:], labels[240:], torch.arange(60))
+    loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, generator=g)
+    val_loader = torch.utils.data.DataLoader(val, batch_size=32)
+    args = argparse.Namespace(max_steps_per_epoch=0, n_last_blocks=1, avgpool_patchtokens=False)
+    classifier = eval_linear.LinearClassifier(12, 6)
+    assert classifier.linear.weight.std().item() == pytest.approx(0.01, rel=0.2)
+    assert torch.equal(classifier.linear.bias, torch.zeros(6))
+    optimizer = torch.optim.SGD(classifier.parameters(), lr=0.05, momentum=0.9, weight_decay=0)
+    before = eval_linear.validate(torch.nn.Identity(), classifier, val_loader, 60, 6, args, torch.device("cpu"))
+    for epoch in range(15):
+        record = eval_linear.train_one_epoch(torch.nn.Identity(), classifier, loader, optimizer, epoch, args,
+                                             torch.device("cpu"))
+    after = eval_linear.validate(torch.nn.Identity(), classifier, val_loader, 60, 6, args, torch.device("cpu"))
+    assert after["val_top1"] >= 95.0 and after["val_top5"] == 100.0
+    assert after["val_loss"] < before["val_loss"] and record["train_loss"] < 0.5
+
+
+# ================================================================================================
+# Both scripts end to end
+# ================================================================================================
+def test_eval_knn_end_to_end(dino_run, tmp_path):
+    """Two processes (torchrun, gloo on CPU) through a subprocess give the features, in dataset
+    order, of one process; --load_features reproduces the results without a model."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "eval_knn.py",
+           "--pretrained_weights", str(dino_run / "checkpoint.pth"), "--nb_knn", "5", "20",
+           "--dump_features", str(tmp_path / "two"), *DATA]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "20-NN classifier result: top-1" in proc.stdout
+
+    args = eval_knn.get_args_parser().parse_args(["--pretrained_weights", str(dino_run / "checkpoint.pth"),
+                                                  "--nb_knn", "5", "20", "--dump_features", str(tmp_path / "one"), *DATA])
+    results = eval_knn.main(args)
+    for name in eval_knn.FEATURE_FILES:
+        one, two = (torch.load(tmp_path / d / name, weights_only=True) for d in ("one", "two"))
+        assert one.shape[0] == (70 if name.startswith("train") else 17)
+        torch.testing.assert_close(one, two, rtol=0, atol=1e-5)
+    labels = torch.load(tmp_path / "one" / "trainlabels.pth", weights_only=True)
+    assert labels.tolist() == [i % 10 for i in range(70)]     # dataset order
+    feats = torch.load(tmp_path / "one" / "trainfeat.pth", weights_only=True)
+    torch.testing.assert_close(feats.norm(dim=1), torch.ones(70))
+    for k, (top1, _) in results.items():
+        assert f"{k}-NN classifier result: top-1 {top1:.2f}%" in proc.stdout
+
+    args = eval_knn.get_args_parser().parse_args(["--load_features", str(tmp_path / "one"), "--nb_knn", "5", "20"])
+    assert eval_knn.main(args) == results
+
+
+def test_eval_linear_end_to_end_and_resume(dino_run, tmp_path):
+    out = tmp_path / "linear"
+    common_args = ["--pretrained_weights", str(dino_run / "teacher_backbone.pth"), "--arch", "vit_pico",
+                   "--n_last_blocks", "2", "--max_steps_per_epoch", "2", "--output_dir", str(out), *DATA]
+    proc = subprocess.run([sys.executable, "eval_linear.py", "--epochs", "1", *common_args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "linear probe on 128-dimensional features" in proc.stdout
+    first = torch.load(out / "linear_checkpoint.pth", weights_only=True)
+    assert first["epoch"] == 1 and first["linear"]["linear.weight"].shape == (10, 128)
+
+    args = eval_linear.get_args_parser().parse_args(["--epochs", "2", "--val_freq", "5", *common_args])
+    best = eval_linear.main(args)                                   # resumes at epoch 1, runs epoch 1 only
+    records = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert "val_top1" in records[0] and "val_top1" in records[1]   # the last epoch is always validated
+    second = torch.load(out / "linear_checkpoint.pth", weights_only=True)
+    assert second["epoch"] == 2 and best == second["best_top1"] == max(r["val_top1"] for r in records)
+    assert not torch.equal(first["linear"]["linear.weight"], second["linear"]["linear.weight"])
+    lr = 0.001 * 8 / 256
+    assert [r["lr"] for r in records] == pytest.approx([lr, lr / 2])  # cosine over the resumed run's 2 epochs
