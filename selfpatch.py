@@ -360,7 +360,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             with torch.no_grad():
                 teacher_output = teacher(crops, aggregate_positives=True)  # every crop has a patch term
             student_output = student(crops)
-            losses = criterion(student_output, teacher_output, epoch)
+        losses = criterion(student_output, teacher_output, epoch)  # float32: outside autocast
         loss = losses["loss"]
         stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args)
 
