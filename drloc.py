@@ -45,6 +45,10 @@ Where the paper's text and the authors' code differ, this file follows the code:
     erasing 0.25, Mixup 0.8 / CutMix 1.0 with label smoothing 0.1, LayerNorm eps 1e-5.
 Other choices of this file: the pairs are gathered with one tensor index, not a loop over images;
 the exhaustive partners come from an argsort of uniform noise (a random permutation per image);
+the pairs of a training step come from a generator seeded by (seed, epoch, step), not from each
+process's global RNG: they are drawn for the images of all processes and each process keeps the
+rows of its own, so an image gets the same pairs with 1 or n processes and after a resume (the
+draw itself is the authors' pair of randint calls);
 the lr warms up from 5e-7 x batch / 512 and then follows `common.cosine_scheduler` over the
 remaining iterations (the Swin code's timm scheduler runs its cosine over all iterations, warmup
 included); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
@@ -126,19 +130,26 @@ def get_args_parser():
 # ================================================================================================
 # Loss
 # ================================================================================================
-def sample_pairs(batch, k, m):
+def sample_pairs(batch, k, m, generator=None):
     """m pairs per image, both positions uniform over the k x k grid, drawn independently with
-    replacement (self-pairs allowed): pos_a, pos_b [B, m, 2] as (row, col). Two randint calls on
-    the default CPU generator, as the authors' code (so it draws the very same pairs)."""
-    return torch.randint(k, (batch, m, 2)), torch.randint(k, (batch, m, 2))
+    replacement (self-pairs allowed): pos_a, pos_b [B, m, 2] as (row, col). Two randint calls on a
+    CPU generator, as the authors' code (on the same generator state, the very same pairs)."""
+    return torch.randint(k, (batch, m, 2), generator=generator), torch.randint(k, (batch, m, 2), generator=generator)
 
 
-def exhaustive_pairs(batch, k):
+def exhaustive_pairs(batch, k, generator=None):
     """Appendix C: every position once, in raster order, against a random partner (a random
     permutation of the grid per image): pos_a, pos_b [B, k*k, 2]."""
     raster = torch.arange(k * k).expand(batch, -1)
-    partner = torch.rand(batch, k * k).argsort(dim=1)
+    partner = torch.rand(batch, k * k, generator=generator).argsort(dim=1)
     return torch.stack([raster // k, raster % k], -1), torch.stack([partner // k, partner % k], -1)
+
+
+def pair_generator(seed, epoch, step):
+    """The CPU generator of one training step's pairs: a function of (seed, epoch, step) only.
+    The trailing 1 keeps its seed apart from the per-sample seeds of the augmentation."""
+    entropy = np.random.SeedSequence([seed, epoch, step, 1]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(entropy >> 1))
 
 
 def relative_targets(pos_a, pos_b, k, signed=False, normalize=False):
@@ -228,7 +239,8 @@ class DRLoc(nn.Module):
     in training mode, one localization MLP per DRLoc grid with its sampled pairs.
 
     forward returns {"logits": [B, classes], "drloc": [{"pred", "pos_a", "pos_b", "k"} per head]}.
-    `positions` (a list of (pos_a, pos_b) per head) replaces the random draw, for tests."""
+    The pairs are drawn from `generator` (default: the global CPU RNG); `positions` (a list of
+    (pos_a, pos_b) per head) replaces the random draw, for tests."""
 
     def __init__(self, backbone, num_classes, mode="l1", pairs=64, heads=()):
         super().__init__()
@@ -253,22 +265,28 @@ class DRLoc(nn.Module):
         grid = self.pool(grid.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
         return self.backbone.norm(feature), [grid]       # ViT: final-norm CLS token
 
-    def forward(self, images, positions=None):
+    def forward(self, images, positions=None, generator=None):
         feature, grids = self.features(images)
         outputs = {"logits": self.head(feature), "drloc": []}
         if not self.training:                            # the pretext task exists at training time only
             return outputs
         for i, (grid, mlp) in enumerate(zip(grids, self.drloc)):
             k = grid.shape[1]
-            if positions is not None:
-                pos_a, pos_b = positions[i]
-            elif self.mode == "exh":
-                pos_a, pos_b = exhaustive_pairs(len(grid), k)
-            else:
-                pos_a, pos_b = sample_pairs(len(grid), k, self.pairs)
+            pos_a, pos_b = positions[i] if positions is not None else self.sample(len(grid), k, generator)
             pred = mlp(gather_pairs(grid, pos_a, pos_b)).flatten(0, 1)      # image-major rows b*m + s
             outputs["drloc"].append({"pred": pred, "pos_a": pos_a, "pos_b": pos_b, "k": k})
         return outputs
+
+    def sample(self, batch, k, generator):
+        """This process's pairs. The draw covers the batch of every process; the sampler deals a
+        global batch out round robin (process r holds its images r, r + n, ...), so process r keeps
+        those rows: an image gets the pairs it would get in a single process with the whole batch."""
+        n, r = common.get_world_size(), common.get_rank()
+        if self.mode == "exh":
+            pos_a, pos_b = exhaustive_pairs(batch * n, k, generator)
+        else:
+            pos_a, pos_b = sample_pairs(batch * n, k, self.pairs, generator)
+        return pos_a[r::n], pos_b[r::n]
 
 
 def build_model(args, num_classes):
@@ -407,7 +425,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
             images, labels = mixup(images, labels)       # soft labels; DRLoc sees the mixed images
 
         with common.autocast(device, args.precision):
-            outputs = model(images)
+            outputs = model(images, generator=pair_generator(args.seed, epoch, it))
             losses = criterion(outputs, labels, lambda_drloc)
         loss = losses["loss"]
         stop_if_not_finite(loss, model, optimizer, criterion, epoch, args)

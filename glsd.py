@@ -89,6 +89,7 @@ def get_args_parser():
                         "Swin recipes use false)")
     g.add_argument("--use_bn_in_head", default=False, type=common.bool_flag,
                    help="batch norm in the head MLPs")
+    common.add_head_size_args(g)
     g.add_argument("--momentum_teacher", default=0.996, type=float,
                    help="EMA momentum base, cosine to 1; use 0.9995 with batches of 256 or less")
     g.add_argument("--warmup_teacher_temp", default=0.04, type=float, help="teacher temperature at epoch 0")
@@ -274,7 +275,9 @@ class GLSD(nn.Module):
 def build_model(args, drop_path_rate):
     backbone = common.build_backbone(args.arch, args.patch_size, args.window_size, drop_path_rate)
     heads = [common.DINOHead(backbone.num_features, args.out_dim, use_bn=args.use_bn_in_head,
-                             norm_last_layer=args.norm_last_layer) for _ in range(1 + (args.local_matching != "none"))]
+                             norm_last_layer=args.norm_last_layer, hidden_dim=args.head_hidden_dim,
+                             bottleneck_dim=args.head_bottleneck_dim)
+             for _ in range(1 + (args.local_matching != "none"))]
     return GLSD(backbone, *heads)
 
 

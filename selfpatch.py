@@ -99,6 +99,7 @@ def get_args_parser():
                    help="freeze the gain of the weight-normalised last layer of both heads (stabler)")
     g.add_argument("--use_bn_in_head", default=False, type=common.bool_flag,
                    help="batch norm in the head MLPs (not with ViTs)")
+    common.add_head_size_args(g)
     g.add_argument("--momentum_teacher", default=0.996, type=float,
                    help="EMA momentum base, cosine to 1; use 0.9995 with batches of 256 or less")
     g.add_argument("--warmup_teacher_temp", default=0.04, type=float, help="teacher temperature at epoch 0")
@@ -333,8 +334,10 @@ def build_model(args, drop_path_rate):
                                      class_token=False, final_norm=False)
     dim = backbone.num_features
     ca_head = AggregationModule(dim, backbone.blocks[0].attn.num_heads)
-    c_head = common.DINOHead(dim, args.out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer)
-    p_head = common.DINOHead(dim, args.patch_out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer)
+    c_head = common.DINOHead(dim, args.out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer,
+                           hidden_dim=args.head_hidden_dim, bottleneck_dim=args.head_bottleneck_dim)
+    p_head = common.DINOHead(dim, args.patch_out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer,
+                           hidden_dim=args.head_hidden_dim, bottleneck_dim=args.head_bottleneck_dim)
     return SelfPatch(backbone, ca_head, c_head, p_head, args.k_num, args.neighbors_wrap)
 
 

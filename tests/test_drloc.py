@@ -1,12 +1,14 @@
 """DRLoc: targets, sampler and every loss variant against naive loops and the authors' numbers, a
 tiny Swin end to end against the authors' Swin, where the gradients go, the lambda schedule, and
-real runs (with and without the DRLoc loss, and a resume equal to an uninterrupted run)."""
+real runs: with and without the DRLoc loss, and their reliability (resume after SIGTERM or a crash
+equal to an uninterrupted run, 2 processes equal to 1, bad images)."""
 import json
 import math
-import os
 import random
+import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,10 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 import common  # noqa: E402
 import drloc  # noqa: E402
+from test_reliability import ENV, assert_same_state, load, make_folder, run  # noqa: E402
 
 # Inputs and outputs of the authors' code, yhlleo/VTs-Drloc @ 6ac2c447 (drloc/aux_modules.py
 # DenseRelativeLoc, drloc/losses.py relative_constraint_l1/ce/cbr and cal_selfsupervised_loss,
@@ -63,6 +67,9 @@ def test_sampler_makes_the_authors_rng_calls():
     demo = CASES["sampler_demo"]
     torch.manual_seed(demo["seed"])
     pos_a, pos_b = drloc.sample_pairs(demo["B"], demo["k"], demo["m"])
+    assert torch.equal(pos_a, demo["pos_a"].long()) and torch.equal(pos_b, demo["pos_b"].long())
+    # training draws from a generator of its own (drloc.pair_generator): the same calls on it
+    pos_a, pos_b = drloc.sample_pairs(demo["B"], demo["k"], demo["m"], torch.Generator().manual_seed(demo["seed"]))
     assert torch.equal(pos_a, demo["pos_a"].long()) and torch.equal(pos_b, demo["pos_b"].long())
 
 
@@ -361,28 +368,57 @@ def test_pretrained_loads_official_swin_keys_and_this_repos_checkpoints(tmp_path
 
 
 # ------------------------------------------------------------------------------------------------
-# Real runs (subprocess, CPU)
+# Real runs (subprocess, CPU) and reliability: exact resume, preemption, a crash mid-write,
+# 1 vs 2 processes, bad images (the DINO versions are in test_reliability.py, whose helpers these reuse)
 # ------------------------------------------------------------------------------------------------
 TINY = ["--dataset", "synthetic", "--synthetic_images", "32", "--synthetic_image_size", "64", "--arch", "swin_pico",
         "--input_size", "64", "--batch_size_per_gpu", "8", "--max_steps_per_epoch", "2", "--num_workers", "0",
         "--warmup_epochs", "0", "--lr", "0.05"]
+# 2 epochs of 2 steps with the DRLoc loss at full weight, mixup / cutmix and drop path on (defaults)
+RUN = ["--epochs", "2", "--lambda_schedule", "constant"]
 
 
-def run_drloc(*extra):
-    return subprocess.run([sys.executable, "drloc.py", *TINY, *extra], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_drloc(*extra, driver=None):
+    return run("drloc.py", *TINY, *extra, driver=driver)
 
 
-# Runs drloc.py as if a preemption signal (SIGTERM) arrived just before its 4th check: after the
-# first step of epoch 1 (checks: 2 per epoch inside the loop, 1 after each epoch in main).
-PREEMPT_AT_4TH_CHECK = """
-import runpy, sys
+def records(out):
+    return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def drloc_uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("drloc_full")
+    result = run_drloc(*RUN, "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+def test_run_with_drloc_logs_and_checkpoints(drloc_uninterrupted):
+    log = records(drloc_uninterrupted)
+    assert [r["epoch"] for r in log] == [0, 1] and all(r["lambda_drloc"] == 0.5 for r in log)
+    assert all(r["L_drloc"] > 0 and math.isfinite(r["L_ce"]) and 0 <= r["val_acc1"] <= 100 for r in log)
+    ckpt = load(drloc_uninterrupted / "checkpoint.pth")
+    assert ckpt["method"] == "drloc" and ckpt["epoch"] == 2 and ckpt["step"] == 0
+    assert set(ckpt) >= {"model", "optimizer", "scaler", "drloc_loss", "args", "rng"}
+    assert "drloc.0.mlp.0.weight" in ckpt["model"]
+    common.load_state_dict_strict(common.build_backbone("swin_pico", img_size=64),    # timm key names
+                                  load(drloc_uninterrupted / "backbone.pth"))
+
+
+# Runs a training script that, at its n-th preemption check, waits (up to a minute) for a real
+# signal: the test sends SIGTERM at a known step, so the stopped run can be compared exactly.
+WAIT_FOR_SIGNAL_AT_CHECK = """
+import runpy, sys, time
 import common
-real, calls = common.preemption_requested, [0]
+n, real, calls = N_CHECK, common.preemption_requested, [0]
 def preemption_requested(device):
     calls[0] += 1
-    if calls[0] == 4:
-        common._preemption_signal = "SIGTERM (simulated)"
+    if calls[0] == n:
+        print("waiting for a signal", flush=True)
+        deadline = time.time() + 60
+        while common._preemption_signal is None and time.time() < deadline:
+            time.sleep(0.05)
     return real(device)
 common.preemption_requested = preemption_requested
 sys.argv = sys.argv[1:]
@@ -390,38 +426,142 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_run_with_drloc_and_mid_epoch_resume_equal_to_uninterrupted(tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    first = run_drloc("--epochs", "2", "--lambda_schedule", "constant", "--output_dir", str(full))
-    assert first.returncode == 0, first.stderr[-2000:]
-    log = [json.loads(line) for line in (full / "log.txt").read_text().splitlines()]
-    assert [r["epoch"] for r in log] == [0, 1] and all(r["lambda_drloc"] == 0.5 for r in log)
-    assert all(r["L_drloc"] > 0 and math.isfinite(r["L_ce"]) and 0 <= r["val_acc1"] <= 100 for r in log)
-    ckpt = torch.load(full / "checkpoint.pth", weights_only=True)
-    assert ckpt["method"] == "drloc" and ckpt["epoch"] == 2 and ckpt["step"] == 0
-    assert set(ckpt) >= {"model", "optimizer", "scaler", "drloc_loss", "args", "rng"}
-    assert "drloc.0.mlp.0.weight" in ckpt["model"]
-    common.load_state_dict_strict(common.build_backbone("swin_pico", img_size=64),    # timm key names
-                                  torch.load(full / "backbone.pth", weights_only=True))
-
-    stopped = subprocess.run([sys.executable, "-c", PREEMPT_AT_4TH_CHECK, "drloc.py", *TINY, "--epochs", "2",
-                              "--lambda_schedule", "constant", "--output_dir", str(resumed)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert stopped.returncode == 0, stopped.stderr[-2000:]
-    middle = torch.load(resumed / "checkpoint.pth", weights_only=True)
+def test_run_with_drloc_and_mid_epoch_resume_equal_to_uninterrupted(drloc_uninterrupted, tmp_path):
+    """A real SIGTERM during the first step of epoch 1 (the 4th preemption check: 2 per epoch in
+    the loop, 1 after each epoch in main): the run finishes the step, saves and exits 0; the same
+    command resumes at the next unseen batch and ends bit-identical to the uninterrupted run
+    (weights, AdamW moments, and the mixup / drop path draws that come from the restored RNGs)."""
+    proc = subprocess.Popen([sys.executable, "-c", WAIT_FOR_SIGNAL_AT_CHECK.replace("N_CHECK", "4"), "drloc.py",
+                             *TINY, *RUN, "--output_dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    for line in proc.stdout:
+        if line.startswith("waiting for a signal"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert line.startswith("waiting for a signal") and proc.returncode == 0, err[-3000:]
+    assert "received SIGTERM: checkpoint written" in out and "run the same command again to resume" in out
+    middle = load(tmp_path / "checkpoint.pth")
     assert (middle["epoch"], middle["step"]) == (1, 1)
-    second = run_drloc("--epochs", "2", "--lambda_schedule", "constant", "--output_dir", str(resumed))
+    second = run_drloc(*RUN, "--output_dir", str(tmp_path))
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "resumed from" in second.stdout
-    after = torch.load(resumed / "checkpoint.pth", weights_only=True)
-    assert all(torch.equal(v, after["model"][k]) for k, v in ckpt["model"].items())
-    for i, state in ckpt["optimizer"]["state"].items():
-        assert torch.equal(state["exp_avg"], after["optimizer"]["state"][i]["exp_avg"])
+    assert f"resumed from {tmp_path / 'checkpoint.pth'} at epoch 1, step 1" in second.stdout
+    assert [r["epoch"] for r in records(tmp_path)] == [0, 1]
+    assert_same_state(load(drloc_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
+
+
+# Runs a training script and kills it (SIGKILL, as a node failure would) in the middle of its n-th
+# write of checkpoint.pth, when half of the serialised bytes are on disk.
+KILL_DURING_WRITE = """
+import io, os, runpy, signal, sys
+from pathlib import Path
+import torch
+import common
+n, real_save, real_checkpoint, writes = N_WRITE, torch.save, common.save_checkpoint, []
+def save_checkpoint(state, path):
+    writes.append(Path(path).name)
+    real_checkpoint(state, path)
+def save(obj, f, *args, **kwargs):
+    if writes.count("checkpoint.pth") == n and writes[-1] == "checkpoint.pth":
+        data = io.BytesIO()
+        real_save(obj, data)
+        f.write(data.getvalue()[: len(data.getvalue()) // 2])
+        f.flush()
+        print("killed while writing checkpoint.pth", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_save(obj, f, *args, **kwargs)
+common.save_checkpoint, torch.save = save_checkpoint, save
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_crash_while_writing_keeps_the_last_checkpoint_and_resume_at_epoch_boundary_is_exact(drloc_uninterrupted,
+                                                                                             tmp_path):
+    """Killed halfway through writing the final checkpoint.pth: checkpoint.pth still holds the end
+    of epoch 0 and loads; the same command resumes at that epoch boundary and ends bit-identical
+    to the uninterrupted run, with every epoch logged once."""
+    crashed = run_drloc(*RUN, "--output_dir", str(tmp_path), driver=KILL_DURING_WRITE.replace("N_WRITE", "2"))
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    assert "killed while writing checkpoint.pth" in crashed.stdout
+    partial = [p for p in tmp_path.iterdir() if p.name not in ("checkpoint.pth", "args.json", "log.txt")]
+    assert len(partial) == 1                             # the half-written file is a temporary one
+    with pytest.raises(Exception):
+        torch.load(partial[0], weights_only=True)
+    last = load(tmp_path / "checkpoint.pth")
+    assert (last["epoch"], last["step"]) == (1, 0)
+    resumed = run_drloc(*RUN, "--output_dir", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'checkpoint.pth'} at epoch 1, step 0" in resumed.stdout
+    assert [r["epoch"] for r in records(tmp_path)] == [0, 1]
+    assert_same_state(load(drloc_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
+
+
+def test_pairs_of_a_step_do_not_depend_on_the_number_of_processes(monkeypatch):
+    """Process r of n keeps rows r, r + n, ... of the draw for the global batch: the rows of its
+    images in one process with the whole batch. With one process the draw is the authors' calls."""
+    model = drloc.build_model(args_for(), num_classes=3)
+    for mode in ("l1", "exh"):
+        model.mode = mode
+        whole = model.sample(8, 7, drloc.pair_generator(0, 1, 2))
+        expected = (drloc.sample_pairs(8, 7, 64, drloc.pair_generator(0, 1, 2)) if mode == "l1"
+                    else drloc.exhaustive_pairs(8, 7, drloc.pair_generator(0, 1, 2)))
+        assert all(torch.equal(a, b) for a, b in zip(whole, expected))
+        monkeypatch.setattr(common, "get_world_size", lambda: 2)
+        for rank in range(2):
+            monkeypatch.setattr(common, "get_rank", lambda: rank)
+            shard = model.sample(4, 7, drloc.pair_generator(0, 1, 2))
+            assert torch.equal(shard[0], whole[0][rank::2]) and torch.equal(shard[1], whole[1][rank::2])
+        monkeypatch.undo()
+    pairs = [drloc.sample_pairs(2, 7, 64, drloc.pair_generator(0, *step))[0] for step in ((0, 0), (0, 1), (1, 0))]
+    assert not torch.equal(pairs[0], pairs[1]) and not torch.equal(pairs[0], pairs[2])   # fresh every step
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """torchrun --nproc_per_node=2 (gloo) with batch 4 per process == one process with batch 8,
+    over 4 steps: same images and crops, same DRLoc pairs per image, averaged gradients. Drop path
+    off. Mixup / CutMix off: timm's Mixup draws its lambda from each process's NumPy RNG and mixes
+    each image with its mirror in the process's own batch, so two processes mix other image pairs
+    than one; making it process-invariant would need a mixup over the global batch, not timm's."""
+    args = [*TINY, *RUN, "--drop_path_rate", "0", "--mixup", "0", "--cutmix", "0"]
+    with ThreadPoolExecutor(2) as pool:                  # both at once: most of the time is start-up
+        one, two = pool.map(lambda argv: run(*argv), [
+            ["drloc.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one")],
+            ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "drloc.py", *args,
+             "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two")]])
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = load(tmp_path / "one" / "checkpoint.pth"), load(tmp_path / "two" / "checkpoint.pth")
+    assert len(a["rng"]) == 1 and len(b["rng"]) == 2 and records(tmp_path / "two")[-1]["L_drloc"] > 0
+    for key in ("model", "optimizer"):
+        assert_same_state(a[key], b[key], exact=False, atol=1e-5)
+
+
+def test_folder_with_a_truncated_jpeg_and_unusual_images(tmp_path):
+    """Train split: 12 JPEGs, a grayscale, an RGBA, a palette and a 16-bit PNG, a 5 x 3 pixel image
+    and a truncated JPEG; val split: the same without the truncated one. Without
+    --skip_bad_images the run stops with one line naming the file; with it, the run skips and
+    counts that file and trains and validates on all the others (batches of 6: every image)."""
+    make_folder(tmp_path / "data" / "train")
+    make_folder(tmp_path / "data" / "val", bad=False)
+    args = ["--dataset", "folder", "--data_path", str(tmp_path / "data"), "--batch_size_per_gpu", "6",
+            "--max_steps_per_epoch", "0", "--epochs", "1"]
+    with ThreadPoolExecutor(2) as pool:
+        stopped, skipped = pool.map(lambda extra: run_drloc(*args, *extra), [
+            ["--output_dir", str(tmp_path / "out1")], ["--skip_bad_images", "--output_dir", str(tmp_path / "out2")]])
+    assert stopped.returncode != 0 and "Traceback" not in stopped.stderr
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot read image") and "truncated.jpg" in last and "--skip_bad_images" in last
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert "data: 18 train / 17 val images, 2 classes, 3 steps per epoch" in skipped.stdout
+    assert "warning: skipping cannot read image" in skipped.stderr and "truncated.jpg" in skipped.stderr
+    record = records(tmp_path / "out2")[0]
+    assert record["skipped_images"] == 1 and record["L_drloc"] > 0 and math.isfinite(record["loss"])
 
 
 def test_plain_baseline_run_without_drloc(tmp_path):
     result = run_drloc("--epochs", "1", "--lambda_drloc", "0", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
-    record = json.loads((tmp_path / "log.txt").read_text().splitlines()[0])
+    record = records(tmp_path)[0]
     assert record["L_drloc"] == 0 and record["lambda_drloc"] == 0 and math.isfinite(record["L_ce"])
-    assert not any(k.startswith("drloc.") for k in torch.load(tmp_path / "checkpoint.pth", weights_only=True)["model"])
+    assert not any(k.startswith("drloc.") for k in load(tmp_path / "checkpoint.pth")["model"])

@@ -1,0 +1,342 @@
+"""Correspondence of local features between two views with known geometry (EsViT, Li et al., ICLR
+2022, supplementary B.5 and Fig. 6/8/9; GLSD, Lebailly & Tuytelaars, WACV 2023, Section 4.7 and
+Fig. 4/5).
+
+Idea. A backbone whose local features describe *what is where* finds the same place of an image in
+two augmented views of it by feature similarity alone. Every view here is cropped from the original
+image with a recorded geometry (box, flip; `common.grid_centers`), so the true correspondence of
+every token is known, and the similarity matching can be scored.
+
+Protocols (`--protocols`; view 1 -> view 2):
+    esvit    a centre crop (DINO's 224/256 of the shorter side) and its horizontally flipped,
+             colour-jittered, randomly grayscaled copy: token (r, c) <-> (r, g-1-c)
+    glsd     one random resized crop, seen twice with independent flips and colour augmentation
+             (same box and scale, so an exact token-to-token mapping exists)
+    overlap  two independent random resized crops (and flips): the truth of a token is the token of
+             view 2 nearest in original-image pixels, kept only when it lies inside view 2's box
+
+Metrics. With l2-normalised dense features z1 [T1, D], z2 [T2, D] (the backbone's final-norm
+tokens, `forward_dense`), for every token i of view 1 with a ground truth g(i) (the set G):
+
+    m(i) = argmax_j z1_i . z2_j,          s(i) = max_j z1_i . z2_j
+    accuracy         = 1/|G| sum_{i in G} [m(i) = g(i)]                          (GLSD Fig. 4)
+    distance error   = 1/|G| sum_{i in G} |pos(m(i)) - pos(g(i))|_2, in grid cells of view 2
+    top-10 accuracy / distance error: the same over the 10 tokens of G with the highest s(i)
+                                      (EsViT Fig. 8: "the top-10 correspondences")
+
+averaged over the pairs (a pair of the overlap protocol without any token in the overlap is not
+counted). Chance accuracy (a uniform guess) is 1/T2. Pairs are a pure function of (--seed, image
+index), so results do not depend on the number of processes or loader workers.
+
+`CorrespondenceMonitor` computes the same metrics on a few fixed images once per epoch during
+self-supervised training (`--monitor_correspondence N`): collapse of local features shows as
+accuracy falling to chance.
+
+Where this file differs from the papers: EsViT scores the top-10 correspondences only, GLSD all of
+them; both are reported here. EsViT does not state the unit of its distance error; here it is grid
+cells of view 2. GLSD's pipeline is "tweaked" so that "augmentations are always cropped and resized
+in the same manner"; this file reads it as the same box (with DINO's global-crop scales) and
+independent flips and colour augmentation. Blur and solarisation are not applied.
+"""
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torchvision import transforms
+from torchvision.transforms import functional as TF
+
+import common
+import eval_knn
+import visualize
+
+PROTOCOLS = ("esvit", "glsd", "overlap")
+CENTER_CROP_FRACTION = 224 / 256  # DINO's evaluation transform: Resize(256) -> CenterCrop(224)
+TOP = 10
+
+
+# ================================================================================================
+# Arguments
+# ================================================================================================
+def get_args_parser():
+    p = argparse.ArgumentParser("eval_correspondence.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    eval_knn.add_weights_args(p)
+    g = p.add_argument_group("correspondence")
+    g.add_argument("--protocols", default=list(PROTOCOLS), nargs="+", choices=PROTOCOLS,
+                   help="esvit (centre crop vs its flipped, jittered copy), glsd (one random crop seen "
+                        "twice), overlap (two random crops, scored inside their overlap)")
+    g.add_argument("--crop_size", default=224, type=int,
+                   help="side of both views in pixels; a multiple of the token stride (ViT patch, 32 for Swin)")
+    g.add_argument("--crops_scale", default=(0.4, 1.0), type=float, nargs=2,
+                   help="area range of the random crops of the glsd and overlap protocols (DINO's global crops)")
+    g.add_argument("--photometric", default=True, type=common.bool_flag,
+                   help="colour jitter and random grayscale on the augmented views (false: geometry only)")
+    g.add_argument("--split", default="test", choices=["train", "test"], help="which split's images to pair")
+    g.add_argument("--max_images", default=0, type=int, help="use the first N images of the split (0 = all)")
+    g.add_argument("--save_pictures", default=None, type=str,
+                   help="write the top-10 matches of the first --num_pictures pairs of every protocol as PNGs here")
+    g.add_argument("--num_pictures", default=8, type=int, help="pairs drawn per protocol with --save_pictures")
+    common.add_data_args(p).add_argument("--batch_size_per_gpu", default=64, type=int, help="pairs per process")
+    eval_knn.add_eval_run_args(p)
+    return p
+
+
+def add_monitor_args(parser):
+    """The training scripts' optional flag for `CorrespondenceMonitor`."""
+    parser.add_argument("--monitor_correspondence", default=0, type=int,
+                        help="log the correspondence accuracy of the teacher's local features every epoch, on "
+                             "N fixed images of the test split (0 = off; 16 costs 96 crop forwards)")
+
+
+# ================================================================================================
+# Pairs of views with known geometry
+# ================================================================================================
+def token_stride(arch, patch_size):
+    """Pixels per token of the dense grid: the ViT patch, or 32 for Swin's last stage."""
+    return 32 if common.ARCHS[arch]["family"] == "swin" else patch_size
+
+
+def crop_view(img, box, size, flip):
+    """img cropped to box = (left, top, width, height) in pixels, resized to size x size, maybe
+    mirrored; and its geometry as `common.MultiCropAugmentation.crop_and_flip` records it."""
+    left, top, w, h = box
+    crop = TF.resized_crop(img, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC)
+    crop = TF.hflip(crop) if flip else crop
+    W, H = img.size
+    return crop, {"box": torch.tensor([left / W, top / H, w / W, h / H]), "flip": torch.tensor(flip),
+                  "image_size": torch.tensor([float(W), float(H)])}
+
+
+class PairViews:
+    """img -> (view 1, view 2, geometry 1, geometry 2) of one protocol. All randomness comes from
+    torch's RNG (colour jitter too), so `common.SeededDataset` makes every pair reproducible."""
+
+    def __init__(self, protocol, crop_size=224, crops_scale=(0.4, 1.0), photometric=True):
+        self.protocol, self.size, self.scale = protocol, crop_size, tuple(crops_scale)
+        colour = [transforms.RandomApply([transforms.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
+                  transforms.RandomGrayscale(p=0.2)] if photometric else []  # DINO's colour augmentation
+        self.augmented = transforms.Compose(colour + [transforms.ToTensor(),
+                                                      transforms.Normalize(common.IMAGENET_MEAN, common.IMAGENET_STD)])
+        self.clean = transforms.Compose(self.augmented.transforms[-2:])
+
+    def random_box(self, img):
+        top, left, h, w = transforms.RandomResizedCrop.get_params(img, list(self.scale), [3 / 4, 4 / 3])
+        return left, top, w, h
+
+    def __call__(self, img):
+        if self.protocol == "esvit":
+            side = max(1, round(CENTER_CROP_FRACTION * min(img.size)))
+            box = ((img.size[0] - side) // 2, (img.size[1] - side) // 2, side, side)
+            (v1, g1), (v2, g2) = crop_view(img, box, self.size, False), crop_view(img, box, self.size, True)
+            return self.clean(v1), self.augmented(v2), g1, g2
+        if self.protocol == "glsd":
+            boxes = [self.random_box(img)] * 2
+        elif self.protocol == "overlap":
+            boxes = [self.random_box(img), self.random_box(img)]
+        else:
+            common.die(f"unknown correspondence protocol {self.protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+        (v1, g1), (v2, g2) = (crop_view(img, box, self.size, bool(torch.rand(1).item() < 0.5)) for box in boxes)
+        return self.augmented(v1), self.augmented(v2), g1, g2
+
+
+class PairDataset(torch.utils.data.Dataset):
+    """(view 1, view 2, geometry 1, geometry 2, index); pair i depends only on (seed, i)."""
+
+    def __init__(self, base, views, seed=0):
+        self.seeded = common.SeededDataset(base, views, seed)
+
+    def __len__(self):
+        return len(self.seeded)
+
+    def __getitem__(self, index):
+        (v1, v2, g1, g2), _label = self.seeded[index]
+        return v1, v2, g1, g2, index
+
+
+def ground_truth(geometry1, geometry2, grid1, grid2):
+    """For every token of view 1 (an (h1, w1) grid), the flat index of the token of view 2 whose
+    centre is nearest in the original image, and whether the token lies inside view 2's box:
+    both [B, h1 * w1]. Token cells of a view tile its box in a regular grid, so the nearest centre
+    is the centre of the cell that contains the point."""
+    xy = common.grid_centers(geometry1, grid1).double()                     # [B, T1, 2] original pixels
+    box, size = geometry2["box"].double(), geometry2["image_size"].double()
+    uv = (xy / size[:, None] - box[:, None, :2]) / box[:, None, 2:]          # position in view 2, [0, 1) inside
+    u = torch.where(geometry2["flip"].bool()[:, None], 1 - uv[..., 0], uv[..., 0])
+    v = uv[..., 1]
+    inside = (u >= 0) & (u < 1) & (v >= 0) & (v < 1)
+    h2, w2 = grid2
+    col = (u * w2).floor().clamp(0, w2 - 1).long()
+    row = (v * h2).floor().clamp(0, h2 - 1).long()
+    return row * w2 + col, inside
+
+
+# ================================================================================================
+# Matching and scoring
+# ================================================================================================
+def dense_backbone(model):
+    """The module with `forward_dense` inside what `eval_knn.load_backbone` returns (SelfPatch's
+    backbone sits under its image-token wrapper)."""
+    return model.model.backbone if isinstance(model, eval_knn.ImageToken) else model
+
+
+@torch.no_grad()
+def match_pairs(backbone, views1, views2, geometry1, geometry2):
+    """Similarity matching of every view-1 token and its ground truth, all [B, T1]: (prediction,
+    score, target, valid), and the grid of view 2."""
+    _, z1 = backbone.forward_dense(views1)
+    _, z2 = backbone.forward_dense(views2)
+    grid1, grid2 = tuple(z1.shape[1:3]), tuple(z2.shape[1:3])
+    z1, z2 = F.normalize(z1.flatten(1, 2).float(), dim=-1), F.normalize(z2.flatten(1, 2).float(), dim=-1)
+    score, prediction = torch.einsum("bsd,btd->bst", z1, z2).max(dim=-1)   # first index on ties
+    target, valid = ground_truth({k: v.to(z1.device) for k, v in geometry1.items()},
+                                 {k: v.to(z1.device) for k, v in geometry2.items()}, grid1, grid2)
+    return prediction, score, target, valid, grid2
+
+
+def pair_metrics(prediction, score, target, valid, grid2, top=TOP):
+    """Per pair [B]: top-`top` accuracy and distance error, accuracy and distance error over all
+    tokens with a ground truth, chance accuracy, and whether the pair has any such token."""
+    def masked_mean(x, mask):
+        return (x * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+    w2 = grid2[1]
+    correct = (prediction == target).double()
+    distance = torch.hypot((prediction // w2 - target // w2).double(), (prediction % w2 - target % w2).double())
+    # the `top` most similar tokens with a ground truth come first (the others score -inf)
+    ranked = score.masked_fill(~valid, float("-inf")).topk(min(top, score.shape[1]), dim=1).indices
+    in_top = torch.arange(ranked.shape[1], device=ranked.device) < valid.sum(1, keepdim=True)
+    return {"top10_accuracy": 100 * masked_mean(correct.gather(1, ranked), in_top),
+            "top10_distance": masked_mean(distance.gather(1, ranked), in_top),
+            "accuracy": 100 * masked_mean(correct, valid), "distance": masked_mean(distance, valid),
+            "chance_accuracy": torch.full_like(correct[:, 0], 100 / (grid2[0] * grid2[1])),
+            "has_truth": valid.any(1)}
+
+
+METRICS = ("top10_accuracy", "top10_distance", "accuracy", "distance", "chance_accuracy")
+
+
+def add_to_sums(sums, metrics):
+    """sums [len(METRICS) + 1] (float64): per-metric sums over the pairs with a ground truth, and their count."""
+    keep = metrics["has_truth"].double()
+    sums += torch.stack([(metrics[k].double() * keep).sum() for k in METRICS] + [keep.sum()]).to(sums.device)
+
+
+def summarize(sums):
+    pairs = int(sums[-1].item())
+    out = {k: (sums[i] / max(pairs, 1)).item() for i, k in enumerate(METRICS)}
+    return {**out, "pairs": pairs}
+
+
+def format_metrics(name, m):
+    return (f"{name}: top-10 accuracy {m['top10_accuracy']:.2f}%, distance {m['top10_distance']:.3f} cells | "
+            f"all tokens: accuracy {m['accuracy']:.2f}% (chance {m['chance_accuracy']:.2f}%), "
+            f"distance {m['distance']:.3f} cells | {m['pairs']} pairs")
+
+
+@torch.no_grad()
+def evaluate(backbone, pairs, batch_size, num_workers, device, picture_dir=None, num_pictures=0, name="pairs"):
+    """Metrics over `pairs` (a PairDataset). Every process scores pairs rank, rank + world, ...;
+    the sums are all-reduced, so every process returns the same dict. Pictures: pairs whose index
+    is below `num_pictures`, written by the process that scored them."""
+    rank, world = common.get_rank(), common.get_world_size()
+    shard = torch.utils.data.Subset(pairs, range(rank, len(pairs), world))
+    loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, num_workers=num_workers,
+                                         pin_memory=device.type == "cuda")
+    sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=device)
+    for v1, v2, g1, g2, index in common.progress(loader, desc=name):
+        v1, v2 = v1.to(device, non_blocking=True), v2.to(device, non_blocking=True)
+        prediction, score, target, valid, grid2 = match_pairs(backbone, v1, v2, g1, g2)
+        add_to_sums(sums, pair_metrics(prediction, score, target, valid, grid2))
+        if picture_dir and num_pictures:
+            for b in (index < num_pictures).nonzero().flatten().tolist():
+                visualize.save_top_matches(Path(picture_dir) / f"{name}_{int(index[b]):04d}.png", v1[b], v2[b],
+                                           prediction[b], score[b], target[b], valid[b], grid2)
+    return summarize(common.all_reduce_sum(sums))
+
+
+# ================================================================================================
+# Per-epoch monitor for the training scripts
+# ================================================================================================
+class CorrespondenceMonitor:
+    """The correspondence metrics of a backbone on a fixed set of pairs, built once.
+
+    `monitor(backbone)` runs every protocol on the same pairs (no process communication; call it
+    on every process or only the main one), in eval mode under no_grad, restores the backbone's
+    training mode and returns {"corr_<protocol>_<metric>": value} for accuracy, top-10 accuracy and
+    distance error. Any backbone with `forward_dense` works, SelfPatch's CLS-free ViT included."""
+
+    def __init__(self, images, crop_size, protocols=PROTOCOLS, crops_scale=(0.4, 1.0), seed=0):
+        collate = torch.utils.data.default_collate
+        self.pairs = {p: collate([item[:4] for item in PairDataset([(img, 0) for img in images],
+                                                                    PairViews(p, crop_size, crops_scale), seed)])
+                      for p in protocols}
+
+    @classmethod
+    def from_args(cls, args, num_images=None):
+        """From a training script's args: N images spread evenly over the test split (the train
+        split when the dataset has none, e.g. an ImageFolder without val/), global-crop-sized views
+        (rounded down to the token stride), its --global_crops_scale and --seed."""
+        n = num_images or args.monitor_correspondence
+        try:
+            dataset = common.build_dataset(args, train=False)
+        except SystemExit:  # no test split (a plain ImageFolder of training images)
+            dataset = common.build_dataset(args, train=True)
+        indices = torch.linspace(0, len(dataset) - 1, min(n, len(dataset))).round().long().tolist()
+        stride = token_stride(args.arch, args.patch_size)
+        size = max(stride, args.global_crop_size // stride * stride)
+        return cls([dataset[i][0] for i in indices], size, crops_scale=args.global_crops_scale, seed=args.seed)
+
+    def __call__(self, backbone):
+        backbone = dense_backbone(backbone)
+        was_training = backbone.training
+        device = next(itertools.chain(backbone.parameters(), backbone.buffers()), torch.empty(0)).device
+        backbone.eval()
+        out = {}
+        try:
+            for name, (v1, v2, g1, g2) in self.pairs.items():
+                sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+                add_to_sums(sums, pair_metrics(*match_pairs(backbone, v1.to(device), v2.to(device), g1, g2)))
+                m = summarize(sums)
+                out.update({f"corr_{name}_{k}": m[k] for k in ("accuracy", "top10_accuracy", "distance")})
+        finally:
+            backbone.train(was_training)
+        return out
+
+
+# ================================================================================================
+# main
+# ================================================================================================
+def main(args):
+    """Returns {protocol: metrics} (the same on every process)."""
+    device = common.init_distributed(args.device)
+    common.fix_random_seeds(args.seed)
+    model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
+                                         args.window_size, args.random_init)
+    backbone = dense_backbone(model).to(device)
+    stride = token_stride(info["arch"], info["patch_size"])
+    if args.crop_size % stride:
+        common.die(f"--crop_size {args.crop_size} is not a multiple of the {info['arch']} token stride ({stride} px); "
+                   f"use e.g. {max(stride, args.crop_size // stride * stride)}")
+    images = common.build_dataset(args, train=args.split == "train")
+    if args.max_images:
+        images = torch.utils.data.Subset(images, range(min(args.max_images, len(images))))
+    common.log(f"data: {len(images)} {args.split} images, {args.crop_size} px views, "
+               f"{args.crop_size // stride}x{args.crop_size // stride} tokens")
+    if args.save_pictures:
+        Path(args.save_pictures).mkdir(parents=True, exist_ok=True)
+    results = {}
+    for protocol in args.protocols:
+        pairs = PairDataset(images, PairViews(protocol, args.crop_size, args.crops_scale, args.photometric), args.seed)
+        results[protocol] = evaluate(backbone, pairs, args.batch_size_per_gpu, args.num_workers, device,
+                                     args.save_pictures, args.num_pictures, name=protocol)
+        common.log(format_metrics(protocol, results[protocol]))
+    if args.save_pictures:
+        common.log(f"pictures of the top-10 matches in {args.save_pictures}")
+    return results
+
+
+if __name__ == "__main__":
+    with common.user_errors():
+        main(get_args_parser().parse_args())
