@@ -424,8 +424,9 @@ def test_training_runs_and_resumes(tmp_path, capsys):
     assert record["loss"] == pytest.approx(record["cls_loss"] + 0.1 * record["patch_loss"], rel=1e-5)
 
     # resume for a second epoch (in this process, to save the start-up time of another one)
-    sp.main(sp.get_args_parser().parse_args(smoke_argv(tmp_path, 2)))
+    sp.main(sp.get_args_parser().parse_args(smoke_argv(tmp_path, 2) + ["--monitor_correspondence", "4"]))
     assert "resumed from" in capsys.readouterr().out
     lines = (tmp_path / "log.txt").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
+    assert 0 <= json.loads(lines[1])["corr_glsd_accuracy"] <= 100   # --monitor_correspondence: CLS-free backbone
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 2
