@@ -932,9 +932,40 @@ def test_autocast_precisions():
         assert (a @ b).dtype == torch.bfloat16
     with common.autocast(cpu, "fp32"):
         assert (a @ b).dtype == torch.float32
-    with pytest.raises(SystemExit, match="fp16"):
-        common.autocast(cpu, "fp16")
-    assert not common.make_grad_scaler(cpu, "fp16").is_enabled()
+    with common.autocast(cpu, "fp16"):             # on CPU too, so the grad-scaler path is testable
+        assert (a @ b).dtype == torch.float16
+    assert common.make_grad_scaler(cpu, "fp16").is_enabled()
+    assert not common.make_grad_scaler(cpu, "bf16").is_enabled()
+
+
+def test_fp16_gradient_overflow_skips_the_step_and_lowers_the_scale():
+    """The update sequence of every training loop (scale, backward, unscale, per-parameter clip,
+    step, update) with a scale so large that the fp16 gradients overflow: no parameter moves, the
+    scale halves, and the next step (finite gradients) updates as usual."""
+    torch.manual_seed(0)
+    model, cpu = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)), torch.device("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)   # 2^40 * grad is inf in fp16
+    x = torch.randn(16, 8)
+
+    def step():
+        with common.autocast(cpu, "fp16"):
+            loss = model(x).float().pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        common.clip_gradients(model, 3.0)
+        scaler.step(optimizer)
+        scaler.update()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # skipped
+    assert scaler.get_scale() == 2.0 ** 39
+    scaler.update(2.0 ** 4)                                                     # a sane scale
+    step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 # ================================================================================================

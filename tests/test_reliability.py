@@ -191,6 +191,26 @@ FOLDER_ARGS = tiny(dataset="folder", synthetic_images=None, synthetic_image_size
                    max_steps_per_epoch="0", epochs="1")
 
 
+# Runs a training script whose fp16 grad scaler starts at a scale that makes every gradient overflow.
+HUGE_SCALE = """
+import runpy, sys, torch
+import common
+common.make_grad_scaler = lambda device, precision: torch.amp.GradScaler(device.type, init_scale=2.0 ** 40)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_fp16_overflow_is_skipped_by_the_grad_scaler_without_stopping(tmp_path):
+    """Issue: "fp16 overflow is handled by the grad scaler without stopping". fp16 autocast runs on
+    CPU (slowly) for this test: every step overflows, is skipped, and the scale halves."""
+    result = run("dino.py", *tiny(epochs="1"), "--precision", "fp16", "--output_dir", str(tmp_path), driver=HUGE_SCALE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckpt = load(tmp_path / "checkpoint.pth")
+    assert ckpt["scaler"]["scale"] == 2.0 ** 40 / 2 ** 3          # 3 steps, 3 overflows
+    assert ckpt["optimizer"]["state"] == {}                        # AdamW never stepped
+
+
 def test_unusual_image_modes_are_converted(tmp_path):
     make_folder(tmp_path / "data", bad=False)
     r = run("dino.py", *FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"))
