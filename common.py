@@ -300,9 +300,10 @@ def grid_centers(geometry, grid_size):
     return torch.stack(torch.broadcast_tensors(x[:, None, :], y[:, :, None]), -1).reshape(len(box), h * w, 2)
 
 
-def sample_seed(seed, epoch, index):
-    """A well-mixed 63-bit seed for one sample in one epoch, independent of workers and processes."""
-    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(2, np.uint64)[0] >> 1)
+def sample_seed(*keys):
+    """A well-mixed 63-bit seed from integer keys, e.g. (seed, epoch, index) for one sample in one
+    epoch: a function of the keys only, not of loader workers or processes."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
 
 
 class SeededDataset(torch.utils.data.Dataset):

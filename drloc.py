@@ -148,8 +148,7 @@ def exhaustive_pairs(batch, k, generator=None):
 def pair_generator(seed, epoch, step):
     """The CPU generator of one training step's pairs: a function of (seed, epoch, step) only.
     The trailing 1 keeps its seed apart from the per-sample seeds of the augmentation."""
-    entropy = np.random.SeedSequence([seed, epoch, step, 1]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(entropy >> 1))
+    return torch.Generator().manual_seed(common.sample_seed(seed, epoch, step, 1))
 
 
 def relative_targets(pos_a, pos_b, k, signed=False, normalize=False):
