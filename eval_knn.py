@@ -185,7 +185,8 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
                 common.log(f"ignored {len(ignored)} checkpoint entries that are not backbone weights: "
                            f"{', '.join(ignored[:6])}{' ...' if len(ignored) > 6 else ''}")
             common.load_state_dict_strict(model, state, what=f"{arch} backbone")
-    common.log(f"model: {info['method']} {arch} (patch {patch_size}, window {window_size}), "
+    shape = f"window {window_size}" if common.ARCHS[arch]["family"] == "swin" else f"patch {patch_size}"
+    common.log(f"model: {info['method']} {arch} ({shape}), "
                f"{'random initialisation' if random_init else f'weights from {path} [{checkpoint_key}]'}")
     return model.eval().requires_grad_(False), info
 

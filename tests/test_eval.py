@@ -329,7 +329,7 @@ def test_linear_probe_learns_separable_features():
 def test_eval_knn_end_to_end(dino_run, tmp_path):
     """Two processes (torchrun, gloo on CPU) through a subprocess give the features, in dataset
     order, of one process; --load_features reproduces the results without a model."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "eval_knn.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "eval_knn.py",
            "--pretrained_weights", str(dino_run / "checkpoint.pth"), "--nb_knn", "5", "20",
            "--dump_features", str(tmp_path / "two"), *DATA]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
