@@ -607,6 +607,20 @@ def test_seeded_augmentation_independent_of_workers_and_order():
     assert not torch.equal(epoch1[0][0][1][0]["box"], single[0][0][1][0]["box"])
 
 
+def draws_of_all_three_generators(_image):
+    return torch.tensor([random.random(), float(np.random.rand()), torch.rand(1).item()], dtype=torch.float64)
+
+
+def test_seeded_dataset_seeds_python_numpy_torch_alike_in_workers_and_main_process():
+    """Workers skip the save/restore of the global generators (nothing else uses them there), so
+    the seeding itself must be the same on both paths."""
+    ds = common.SeededDataset([(None, 0)] * 4, draws_of_all_three_generators, seed=3)
+    main = torch.stack([ds[i][0] for i in range(4)])
+    worker = next(iter(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)))[0]
+    assert torch.equal(worker, main)
+    assert len(set(main[:, 0].tolist())) == 4
+
+
 def test_sample_seed_distinct_and_stable():
     seeds = {common.sample_seed(0, e, i) for e in range(3) for i in range(100)}
     assert len(seeds) == 300
