@@ -337,6 +337,33 @@ def test_two_step_run_then_resume(tmp_path):
     assert 0 <= log[1]["corr_overlap_distance"]                          # --monitor_correspondence
 
 
+@pytest.mark.parametrize("glsd_flags, esvit_flags", [(["--local_matching", "similarity"], []),
+                                                      (["--local_matching", "none"], ["--use_region_loss", "false"])])
+def test_similarity_and_vanilla_train_exactly_like_esvit(tmp_path, glsd_flags, esvit_flags):
+    """Two steps with drop path from the same seed: glsd.py's Similarity setting trains bit-identically
+    to esvit.py, Vanilla to esvit.py without the region loss (the README's results table uses this)."""
+    flags = ["--epochs", "1", "--drop_path_rate", "0.1", "--seed", "3", "--saveckp_freq", "0"]
+    runs = {"glsd": run_glsd(*flags, *glsd_flags, "--output_dir", str(tmp_path / "glsd")),
+            "esvit": subprocess.run([sys.executable, "esvit.py", *TINY, *flags, *esvit_flags, "--output_dir",
+                                     str(tmp_path / "esvit")], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})}
+    ckpts = {}
+    for name, proc in runs.items():
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ckpts[name] = torch.load(tmp_path / name / "checkpoint.pth", weights_only=True)
+    for part in ("student", "teacher"):
+        g, e = ckpts["glsd"][part], ckpts["esvit"][part]
+        assert g.keys() == e.keys()
+        for key in g:
+            assert torch.equal(g[key], e[key]), (part, key)
+    for key in ("center", "center_grid"):
+        assert torch.equal(ckpts["glsd"]["glsd_loss"][key], ckpts["esvit"]["esvit_loss"][key])
+    student, teacher = ckpts["glsd"]["student"], ckpts["glsd"]["teacher"]
+    assert any(not torch.equal(student[k], teacher[k]) for k in teacher)   # the steps did train
+    logs = [(tmp_path / name / "log.txt").read_text().splitlines() for name in runs]
+    assert json.loads(logs[0][0])["loss"] == json.loads(logs[1][0])["loss"]
+
+
 def test_crop_sizes_must_be_tiled_by_tokens():
     parse = glsd.get_args_parser().parse_args
     with pytest.raises(SystemExit, match="--local_crop_size 48 is not a multiple"):
