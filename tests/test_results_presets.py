@@ -25,3 +25,12 @@ def test_table_reports_mean_and_half_range_per_run():
     lines = results.table(records).splitlines()
     assert lines[2] == "| random_vit | 1 | 50.0 ± 0.0 | 0.0 | — |"
     assert lines[3] == "| dino | 2 | 62.0 ± 2.0 | 10.5 | 950 |"
+
+
+def test_table_shows_the_esvit_runs_for_the_glsd_settings_that_train_identically():
+    records = [{"run": "esvit", "seed": 0, "top1": 80.0, "train_seconds": 60, "peak_memory_mb": 900},
+               {"run": "glsd_geometric", "seed": 0, "top1": 81.0, "train_seconds": 60, "peak_memory_mb": 900}]
+    lines = results.table(records).splitlines()
+    assert lines[2:] == ["| esvit | 1 | 80.0 ± 0.0 | 1.0 | 900 |",
+                         "| glsd_similarity (= esvit) | 1 | 80.0 ± 0.0 | 1.0 | 900 |",
+                         "| glsd_geometric | 1 | 81.0 ± 0.0 | 1.0 | 900 |"]
