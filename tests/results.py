@@ -2,6 +2,7 @@
 supervised) top-1 on the real test split, over several seeds. Not collected by pytest.
 
     python tests/results.py --runs dino esvit --seeds 0 1      # train + evaluate, append to the log
+    python tests/results.py --runs pixels --seeds 0            # the k-NN on raw pixels, for scale
     python tests/results.py --table                             # the markdown table of everything logged
 
 Each (run, seed) trains in its own output directory under --work_dir, is evaluated with
@@ -24,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SSL = ("--dataset fashion_mnist --global_crop_size 64 --local_crop_size 32 --local_crops_number 4 "
@@ -37,6 +40,7 @@ DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch swin_pico --input_
 
 # name: (script or None for a random initialisation, flags, evaluation image size)
 RUNS = {
+    "pixels": (None, None, None),   # no network: the same k-NN on the raw 28x28 pixels
     "random_vit": (None, "--arch vit_pico --patch_size 8", 64),
     "random_swin": (None, "--arch swin_pico", 64),
     "dino": ("dino.py", f"{SSL} {VIT}", 64),
@@ -67,8 +71,23 @@ def knn_top1(output):
     return float(match.group(1))
 
 
+def pixels_top1():
+    """20-NN (T = 0.07, eval_knn.py's vote) on the l2-normalised raw pixels of Fashion-MNIST."""
+    sys.path.insert(0, str(ROOT))
+    import common
+    import eval_knn
+    train, test = common.FashionMNIST(train=True), common.FashionMNIST(train=False)
+    features = [torch.nn.functional.normalize(torch.tensor(d.images.reshape(len(d), -1), dtype=torch.float32), dim=1)
+                for d in (train, test)]
+    labels = [torch.as_tensor(d.targets) for d in (train, test)]
+    return eval_knn.knn_classifier(features[0], labels[0], features[1], labels[1], k=20, T=0.07, num_classes=10)[0]
+
+
 def train_and_evaluate(name, seed, work_dir):
     script, flags, size = RUNS[name]
+    if name == "pixels":  # deterministic: the seed changes nothing
+        return {"run": name, "seed": seed, "train_seconds": 0.0, "peak_memory_mb": None, "top1": pixels_top1(),
+                "eval_command": f"python tests/results.py --runs pixels --seeds {seed}"}
     out = Path(work_dir) / f"{name}_seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
     record = {"run": name, "seed": seed}
