@@ -939,7 +939,8 @@ def add_run_args(parser, saveckp_freq=20):
     g.add_argument("--seed", default=0, type=int, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     g.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"],
-                   help="autocast dtype; fp16 uses a grad scaler (on CPU only for testing: slow); bf16 also speeds up CPUs")
+                   help="autocast dtype; fp16 uses a grad scaler (on CPU only for testing: slow); bf16 is faster "
+                        "on GPUs, and on CPUs at ViT-S size (slower for the tiny *_pico models)")
     g.add_argument("--save_every_iters", default=0, type=int,
                    help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
                         "resumes at the next unseen batch")
