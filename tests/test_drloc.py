@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import common  # noqa: E402
 import drloc  # noqa: E402
-from test_reliability import ENV, assert_same_state, load, make_folder, run  # noqa: E402
+from test_reliability import ENV, assert_same_state, assert_same_trajectory, load, make_folder, run  # noqa: E402
 
 # Inputs and outputs of the authors' code, yhlleo/VTs-Drloc @ 6ac2c447 (drloc/aux_modules.py
 # DenseRelativeLoc, drloc/losses.py relative_constraint_l1/ce/cbr and cal_selfsupervised_loss,
@@ -533,8 +533,7 @@ def test_two_processes_equal_one_process(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = load(tmp_path / "one" / "checkpoint.pth"), load(tmp_path / "two" / "checkpoint.pth")
     assert len(a["rng"]) == 1 and len(b["rng"]) == 2 and records(tmp_path / "two")[-1]["L_drloc"] > 0
-    for key in ("model", "optimizer"):
-        assert_same_state(a[key], b[key], exact=False, atol=1e-5)
+    assert_same_trajectory({k: a[k] for k in ("model", "optimizer")}, {k: b[k] for k in ("model", "optimizer")})
 
 
 def test_folder_with_a_truncated_jpeg_and_unusual_images(tmp_path):
