@@ -56,6 +56,9 @@ ARCHS = {
     "vit_small": dict(family="vit", embed_dim=384, depth=12, num_heads=6),
     "vit_base": dict(family="vit", embed_dim=768, depth=12, num_heads=12),
     "swin_pico": dict(family="swin", embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8)),
+    # for 28-32 px images: patch 2 and three stages, so a 32 px crop's grids are 16, 8, 4 (swin_pico's
+    # patch 4 and four stages leave 1x1)
+    "swin_pico3": dict(family="swin", patch_size=2, embed_dim=32, depths=(2, 2, 2), num_heads=(1, 2, 4)),
     "swin_tiny": dict(family="swin", embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
     "swin_small": dict(family="swin", embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
     "swin_base": dict(family="swin", embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
@@ -121,11 +124,14 @@ class Swin(SwinTransformer):
 
 def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_size=224,
                    class_token=True, final_norm=True, layer_norm_eps=1e-6, **overrides):
-    """A ViT or Swin from `ARCHS`, built for any input size (96 px local crops included).
+    """A ViT or Swin from `ARCHS`, built for `img_size` (the global crop: a ViT's position table
+    has that crop's grid; smaller crops interpolate from it, as in DINO) and any other input size.
 
-    ViT keeps timm's (= the DINO authors') key names, so released DINO weights load strictly.
-    `class_token=False, final_norm=False` gives SelfPatch's backbone. `overrides` replace entries
-    of the architecture table (tests use them for tiny models).
+    patch_size: the ViT's (16, 8, or any size that divides the crops, e.g. 4 at 32 px); a Swin's
+    patch is part of its `ARCHS` entry (4, or 2 for swin_pico3). window_size: Swin's window, an int
+    or one per stage; timm shrinks a stage's window to the stage's grid at `img_size`. ViT keeps timm's (= the DINO authors') key names, so
+    released DINO weights load strictly. `class_token=False, final_norm=False` gives SelfPatch's
+    backbone. `overrides` replace entries of the architecture table (tests use them for tiny models).
     """
     if arch not in ARCHS:
         die(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -133,8 +139,9 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
     family = cfg.pop("family")
     norm_layer = partial(nn.LayerNorm, eps=layer_norm_eps)
     if family == "vit":
-        if patch_size not in (8, 14, 16):
-            die(f"--patch_size {patch_size} is not supported for ViT (use 16 or 8)")
+        if patch_size < 1 or img_size % patch_size:
+            die(f"--patch_size {patch_size} does not divide the {img_size} px global crop; choose a divisor "
+                f"of the crop size (e.g. 16 or 8 at 224 px, 4 at 32 px)")
         return ViT(img_size=img_size, patch_size=patch_size, mlp_ratio=4, qkv_bias=True,
                    norm_layer=norm_layer, num_classes=0, dynamic_img_size=True,
                    drop_path_rate=drop_path_rate, class_token=class_token,
@@ -142,9 +149,62 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
                    fc_norm=False, **cfg)  # keep the final norm in `norm` (timm moves it to fc_norm for "avg")
     if not class_token or not final_norm:
         die("a Swin backbone has no CLS token to remove and always ends in a LayerNorm")
-    return Swin(img_size=img_size, patch_size=4, window_size=window_size, mlp_ratio=4, qkv_bias=True,
+    return Swin(img_size=img_size, patch_size=cfg.pop("patch_size", 4), window_size=window_size, mlp_ratio=4, qkv_bias=True,
                 norm_layer=norm_layer, num_classes=0, strict_img_size=False,
                 drop_path_rate=drop_path_rate, **cfg)
+
+
+def token_stride(arch, patch_size=16):
+    """Pixels per token of the final grid: the ViT patch, or Swin's patch x 2 per patch merging."""
+    cfg = ARCHS[arch]
+    if cfg["family"] == "vit":
+        return patch_size
+    return cfg.get("patch_size", 4) * 2 ** (len(cfg["depths"]) - 1)
+
+
+def stage_grids(arch, patch_size, crop_size):
+    """Side of the token grid at every stage for a square crop (one entry for a ViT)."""
+    cfg = ARCHS[arch]
+    if cfg["family"] == "vit":
+        return [crop_size // patch_size]
+    grids = [crop_size // cfg.get("patch_size", 4)]
+    for _ in cfg["depths"][1:]:
+        grids.append((grids[-1] + 1) // 2)   # timm's patch merging pads an odd grid
+    return grids
+
+
+def fitted_windows(arch, patch_size, window_size, crop_sizes):
+    """Per Swin stage, the largest window <= window_size that tiles the grid of every crop size
+    exactly, so that no window is padded. timm pads a grid that the window does not divide, and
+    padded tokens take part in attention: with window 7 at 64 px, 92% of the last stage's attended
+    positions are padding."""
+    windows = []
+    for grids in zip(*(stage_grids(arch, patch_size, size) for size in crop_sizes)):
+        windows.append(max(w for w in range(1, window_size + 1) if all(g % w == 0 for g in grids)))
+    return tuple(windows)
+
+
+def window_padding(backbone, crop_size):
+    """Per Swin stage, the share of the attended positions that are padding for a crop of this size
+    (0 = every window holds real tokens only)."""
+    shares, grid = [], crop_size // backbone.patch_embed.patch_size[0]
+    for i, stage in enumerate(backbone.layers):
+        grid = grid if i == 0 else (grid + 1) // 2
+        w = stage.blocks[0].window_size[0]
+        padded = -(-grid // w) * w            # timm pads the grid up to a multiple of the window
+        shares.append(1 - grid ** 2 / padded ** 2)
+    return shares
+
+
+def backbone_from_args(args, drop_path_rate, **kwargs):
+    """The backbone a training run's arguments describe (also used to rebuild it for evaluation):
+    built for the global crop size; with `--fit_window` Swin's windows tile every crop's grid."""
+    window = getattr(args, "window_size", 7)
+    global_size = getattr(args, "global_crop_size", None) or getattr(args, "input_size", None) or 224
+    if getattr(args, "fit_window", False) and ARCHS[args.arch]["family"] == "swin":
+        sizes = [global_size] + ([args.local_crop_size] if getattr(args, "local_crops_number", 0) else [])
+        window = fitted_windows(args.arch, args.patch_size, window, sizes)
+    return build_backbone(args.arch, args.patch_size, window, drop_path_rate, img_size=global_size, **kwargs)
 
 
 def resolution_groups(crops):
@@ -239,6 +299,9 @@ class MultiCropAugmentation:
 
     Geometry of a crop = {"box": [x0, y0, w, h] of the crop in the original image, as fractions of
     its width/height; "flip": whether the crop was mirrored; "image_size": [W, H] in pixels}.
+    DINO's blur radius, sigma ~ U(0.1, 2.0), is in pixels of a 224 px crop (for local crops too); it is
+    scaled by global_crop_size / 224 so that it blurs as much of a small image (at 32 px an unscaled
+    sigma of 2 erases a Fashion-MNIST item). At 224 px nothing changes.
     All randomness comes from torch's global RNG, so `SeededDataset` makes it reproducible.
     """
 
@@ -251,10 +314,11 @@ class MultiCropAugmentation:
         color = [transforms.RandomApply([transforms.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
                  transforms.RandomGrayscale(p=0.2)]
         to_tensor = [transforms.ToTensor(), transforms.Normalize(mean, std)]
-        self.global1 = transforms.Compose(color + [RandomGaussianBlur(1.0)] + to_tensor)
-        self.global2 = transforms.Compose(color + [RandomGaussianBlur(0.1),
+        sigma = (0.1 * global_crop_size / 224, 2.0 * global_crop_size / 224)
+        self.global1 = transforms.Compose(color + [RandomGaussianBlur(1.0, sigma)] + to_tensor)
+        self.global2 = transforms.Compose(color + [RandomGaussianBlur(0.1, sigma),
                                                    transforms.RandomSolarize(128, p=0.2)] + to_tensor)
-        self.local = transforms.Compose(color + [RandomGaussianBlur(0.5)] + to_tensor)
+        self.local = transforms.Compose(color + [RandomGaussianBlur(0.5, sigma)] + to_tensor)
 
     @staticmethod
     def crop_and_flip(img, size, scale):
@@ -521,10 +585,30 @@ class SyntheticShapes(torch.utils.data.Dataset):
 DATASETS = ["folder", "synthetic", "fashion_mnist", "cifar10", "cifar100", "svhn"]
 
 
+class Holdout(torch.utils.data.Subset):
+    """A contiguous part of a labelled dataset that keeps its `classes`."""
+
+    def __init__(self, dataset, start, stop):
+        super().__init__(dataset, range(start, stop))
+        self.classes = getattr(dataset, "classes", None)
+
+
 def build_dataset(args, train=True):
-    """The dataset named by --dataset (images as PIL, labels as int), for the train or test split.
+    """The dataset named by --dataset (images as PIL, labels as int), for the train or test split;
+    with --holdout N, both come from the train split: all but its last N images, and those N.
 
     folder: --data_path is an ImageFolder root; for the test split, --data_path/val (or /test)."""
+    holdout = getattr(args, "holdout", 0)
+    if holdout:
+        full = named_dataset(args, train=True)
+        if not 0 < holdout < len(full):
+            die(f"--holdout {holdout} must be between 1 and the {len(full)} train images minus one")
+        n = len(full) - holdout
+        return Holdout(full, 0, n) if train else Holdout(full, n, len(full))
+    return named_dataset(args, train)
+
+
+def named_dataset(args, train):
     name, path = args.dataset, getattr(args, "data_path", None)
     if name == "synthetic":
         return SyntheticShapes(args.synthetic_images if train else max(args.synthetic_images // 4, 10),
@@ -735,7 +819,8 @@ def clip_gradients(model, clip):
 
 def cancel_gradients_last_layer(epoch, model, freeze_last_layer):
     """During the first `freeze_last_layer` epochs, drop the gradients of every head's last layer
-    (grad = None, so AdamW leaves those weights untouched)."""
+    (grad = None, so AdamW leaves those weights untouched). `epoch` may be fractional (epoch +
+    step / steps per epoch), so that a fraction of an epoch can be frozen in a short run."""
     if epoch >= freeze_last_layer:
         return
     for name, p in model.named_parameters():
@@ -888,9 +973,13 @@ def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     g.add_argument("--arch", default=arch, choices=list(ARCHS),
                    help="ViT (DINO Table 8) or Swin (EsViT Table 6); *_pico are tiny CPU test models")
     g.add_argument("--patch_size", default=16, type=int,
-                   help="ViT patch size (16 or 8; smaller patches are much better and much slower)")
+                   help="ViT patch size: 16 or 8 (smaller patches are much better and much slower), or any "
+                        "divisor of the crops for small images (4 at 32 px); a Swin's patch is set by --arch")
     g.add_argument("--window_size", default=7, type=int,
                    help="Swin window size (7, or 14 for full attention in the last two stages)")
+    g.add_argument("--fit_window", default=False, type=bool_flag,
+                   help="small images: shrink each Swin stage's window to the largest size <= --window_size that "
+                        "tiles the token grid of every crop, so that no attention goes to padding")
     g.add_argument("--drop_path_rate", default=drop_path_rate, type=float, help="stochastic depth of the student")
     return g
 
@@ -918,6 +1007,10 @@ def add_data_args(parser):
     g.add_argument("--synthetic_images", default=2000, type=int, help="size of the synthetic train split")
     g.add_argument("--synthetic_image_size", default=64, type=int, help="side of synthetic images (pixels)")
     g.add_argument("--synthetic_seed", default=0, type=int, help="which synthetic dataset to draw")
+    g.add_argument("--holdout", default=0, type=int,
+                   help="carve a validation split off the train split: its last N images. Training then "
+                        "uses the others, and evaluation uses the N as its test split and the others as "
+                        "its train split (the k-NN bank), so hyperparameters are chosen without the test set")
     g.add_argument("--skip_bad_images", action="store_true",
                    help="skip unreadable image files (logged and counted) instead of stopping")
     g.add_argument("--num_workers", default=10, type=int, help="data loader processes per GPU/process")

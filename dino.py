@@ -71,12 +71,13 @@ def get_args_parser():
     g.add_argument("--epochs", default=100, type=int)
     g.add_argument("--lr", default=0.0005, type=float, help="peak lr at total batch 256 (linear scaling)")
     g.add_argument("--min_lr", default=1e-6, type=float, help="lr at the end of the cosine schedule")
-    g.add_argument("--warmup_epochs", default=10, type=int, help="linear lr warmup from 0")
+    g.add_argument("--warmup_epochs", default=10, type=float,
+                   help="linear lr warmup from 0 (a fraction counts steps: 0.5 = half an epoch)")
     g.add_argument("--weight_decay", default=0.04, type=float, help="weight decay at the start (cosine)")
     g.add_argument("--weight_decay_end", default=0.4, type=float, help="weight decay at the end")
     g.add_argument("--clip_grad", default=3.0, type=float, help="per-parameter gradient norm clip (0 = off)")
-    g.add_argument("--freeze_last_layer", default=1, type=int,
-                   help="epochs during which the head's last layer is not updated (helps early training)")
+    g.add_argument("--freeze_last_layer", default=1, type=float,
+                   help="epochs during which the head's last layer is not updated (helps early training; a fraction counts steps)")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (ViT) or sgd")
 
     common.add_multicrop_args(p)
@@ -138,7 +139,7 @@ class DINO(nn.Module):
 
 
 def build_model(args, drop_path_rate):
-    backbone = common.build_backbone(args.arch, args.patch_size, args.window_size, drop_path_rate)
+    backbone = common.backbone_from_args(args, drop_path_rate)
     head = common.DINOHead(backbone.num_features, args.out_dim, use_bn=args.use_bn_in_head,
                            norm_last_layer=args.norm_last_layer, hidden_dim=args.head_hidden_dim,
                            bottleneck_dim=args.head_bottleneck_dim)
@@ -176,7 +177,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         if args.clip_grad:
             scaler.unscale_(optimizer)
             common.clip_gradients(student, args.clip_grad)
-        common.cancel_gradients_last_layer(epoch, student, args.freeze_last_layer)
+        common.cancel_gradients_last_layer(epoch + it / n_steps, student, args.freeze_last_layer)
         scaler.step(optimizer)
         scaler.update()
         common.update_teacher(student, teacher, momentum)

@@ -291,12 +291,11 @@ class DRLoc(nn.Module):
 def build_model(args, num_classes):
     """Backbone + classifier, and DRLoc heads sized from one forward of a blank image (with
     --lambda_drloc 0, none: the plain supervised baseline, initialised identically)."""
-    backbone = common.build_backbone(args.arch, args.patch_size, args.window_size, args.drop_path_rate,
-                                     img_size=args.input_size,
-                                     layer_norm_eps=1e-5 if args.arch.startswith("swin") else 1e-6)
+    backbone = common.backbone_from_args(args, args.drop_path_rate,
+                                         layer_norm_eps=1e-5 if args.arch.startswith("swin") else 1e-6)
     if args.drloc_mode == "all" and not isinstance(backbone, common.Swin):
         common.die("--drloc_mode all needs a Swin --arch (one DRLoc head per stage)")
-    patch = 4 if isinstance(backbone, common.Swin) else args.patch_size
+    patch = backbone.patch_embed.patch_size[0]
     if args.input_size % patch:
         common.die(f"--input_size {args.input_size} is not a multiple of the patch size {patch}")
     heads = []

@@ -94,8 +94,8 @@ def add_monitor_args(parser):
 # Pairs of views with known geometry
 # ================================================================================================
 def token_stride(arch, patch_size):
-    """Pixels per token of the dense grid: the ViT patch, or 32 for Swin's last stage."""
-    return 32 if common.ARCHS[arch]["family"] == "swin" else patch_size
+    """Pixels per token of the dense grid (the ViT patch; Swin's patch x 2 per merging)."""
+    return common.token_stride(arch, patch_size)
 
 
 def crop_view(img, box, size, flip):
@@ -313,7 +313,7 @@ def main(args):
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                         args.window_size, args.random_init)
+                                         args.window_size, args.random_init, args.crop_size)
     backbone = dense_backbone(model).to(device)
     stride = token_stride(info["arch"], info["patch_size"])
     if args.crop_size % stride:

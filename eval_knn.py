@@ -31,6 +31,7 @@ Where this file differs from the authors' eval_knn.py:
   * the train features stay on the GPU only when they fit (the authors' `--use_cuda` flag).
 """
 import argparse
+import math
 import re
 from pathlib import Path
 
@@ -136,8 +137,23 @@ def backbone_state_dict(state_dict):
     return state, ignored
 
 
+def plain_state_shape(state, window_size, crop):
+    """(window sizes, image size) to rebuild a plain backbone state dict: a ViT's image size from its
+    position table (patch grid x patch), a Swin's windows from its relative-position tables (one
+    per stage; the evaluation crop is taken as its image size). Without a state dict (a random
+    initialisation), `window_size` and the evaluation crop."""
+    state = backbone_state_dict(state)[0] if isinstance(state, dict) else {}
+    if "pos_embed" in state and "patch_embed.proj.weight" in state:
+        n = state["pos_embed"].shape[1] - ("cls_token" in state)
+        return window_size, math.isqrt(n) * state["patch_embed.proj.weight"].shape[-1]
+    tables = sorted((k, v) for k, v in state.items() if k.endswith("blocks.0.attn.relative_position_bias_table"))
+    if tables:
+        return tuple((math.isqrt(v.shape[0]) + 1) // 2 for _, v in tables), crop
+    return window_size, crop
+
+
 def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=16, window_size=7,
-                  random_init=False):
+                  random_init=False, crop=224):
     """A frozen backbone in eval mode whose `model(x)` is the global feature [B, D], and a dict
     describing it (method, arch, patch_size, window_size).
 
@@ -178,7 +194,11 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
             common.load_state_dict_strict(model, state, what=f"selfpatch {checkpoint_key}")
         model = ImageToken(model)
     else:
-        model = common.build_backbone(arch, patch_size, window_size, drop_path_rate=0.0)
+        if full:     # built as it was trained: global crop size, fitted Swin windows
+            model = common.backbone_from_args(argparse.Namespace(**ckpt_args), 0.0)
+        else:
+            window_size, img_size = plain_state_shape(state, window_size, crop)
+            model = common.build_backbone(arch, patch_size, window_size, 0.0, img_size=img_size)
         if state is not None and not random_init:
             state, ignored = backbone_state_dict(state)
             if ignored:
@@ -299,7 +319,7 @@ def main(args):
             torch.load(folder / name, map_location="cpu", weights_only=True) for name in FEATURE_FILES)
     else:
         model, _info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                     args.window_size, args.random_init)
+                                     args.window_size, args.random_init, args.crop)
         model.to(device)
         transform = common.eval_transform(args.resize, args.crop)
         train_set, test_set = common.build_dataset(args, train=True), common.build_dataset(args, train=False)

@@ -114,11 +114,12 @@ def get_args_parser():
     g.add_argument("--epochs", default=200, type=int)
     g.add_argument("--lr", default=0.0005, type=float, help="peak lr at total batch 256 (linear scaling)")
     g.add_argument("--min_lr", default=1e-6, type=float, help="lr at the end of the cosine schedule")
-    g.add_argument("--warmup_epochs", default=10, type=int, help="linear lr warmup from 0")
+    g.add_argument("--warmup_epochs", default=10, type=float,
+                   help="linear lr warmup from 0 (a fraction counts steps: 0.5 = half an epoch)")
     g.add_argument("--weight_decay", default=0.04, type=float, help="weight decay at the start (cosine)")
     g.add_argument("--weight_decay_end", default=0.4, type=float, help="weight decay at the end")
     g.add_argument("--clip_grad", default=3.0, type=float, help="per-parameter gradient norm clip (0 = off)")
-    g.add_argument("--freeze_last_layer", default=1, type=int,
+    g.add_argument("--freeze_last_layer", default=1, type=float,
                    help="epochs during which the heads' last layers are not updated (helps early training)")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (ViT) or sgd")
 
@@ -331,8 +332,7 @@ class SelfPatch(nn.Module):
 def build_model(args, drop_path_rate):
     if common.ARCHS.get(args.arch, {}).get("family") != "vit":
         common.die(f"--arch {args.arch}: SelfPatch is implemented for ViT backbones only (vit_*)")
-    backbone = common.build_backbone(args.arch, args.patch_size, args.window_size, drop_path_rate,
-                                     class_token=False, final_norm=False)
+    backbone = common.backbone_from_args(args, drop_path_rate, class_token=False, final_norm=False)
     dim = backbone.num_features
     ca_head = AggregationModule(dim, backbone.blocks[0].attn.num_heads)
     c_head = common.DINOHead(dim, args.out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer,
@@ -373,7 +373,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         if args.clip_grad:
             scaler.unscale_(optimizer)
             common.clip_gradients(student, args.clip_grad)
-        common.cancel_gradients_last_layer(epoch, student, args.freeze_last_layer)
+        common.cancel_gradients_last_layer(epoch + it / n_steps, student, args.freeze_last_layer)
         scaler.step(optimizer)
         scaler.update()
         common.update_teacher(student, teacher, momentum)

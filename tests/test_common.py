@@ -47,16 +47,19 @@ TIMM_EQUIVALENT = {("vit_tiny", 16): "vit_tiny_patch16_224", ("vit_small", 16): 
                    ("swin_small", 7): "swin_small_patch4_window7_224",
                    ("swin_base", 7): "swin_base_patch4_window7_224"}
 EMBED_DIM = {"vit_pico": 64, "vit_tiny": 192, "vit_small": 384, "vit_base": 768,
-             "swin_pico": 256, "swin_tiny": 768, "swin_small": 768, "swin_base": 1024}
+             "swin_pico": 256, "swin_pico3": 128, "swin_tiny": 768, "swin_small": 768, "swin_base": 1024}
 
 
 # token grid side of a square input (from the brief): ViT/16 14x14 at 224 and 6x6 at 96, ViT/8 28x28
-# and 12x12, Swin (patch 4, three 2x mergings) 7x7 and 3x3 whatever the window
-GRID = {("vit", 16): {224: 14, 96: 6}, ("vit", 8): {224: 28, 96: 12}, ("swin", None): {224: 7, 96: 3}}
+# and 12x12, Swin (patch 4, three 2x mergings) 7x7 and 3x3 whatever the window; swin_pico3 (patch 2,
+# two mergings) 28x28 and 12x12
+GRID = {("vit", 16): {224: 14, 96: 6}, ("vit", 8): {224: 28, 96: 12}, ("swin", None): {224: 7, 96: 3},
+        ("swin_pico3", None): {224: 28, 96: 12}}
 
 
 def expected_grid(arch, kw, size):
-    return GRID[common.ARCHS[arch]["family"], kw.get("patch_size")][size]
+    family = arch if arch in ("swin_pico3",) else common.ARCHS[arch]["family"]
+    return GRID[family, kw.get("patch_size")][size]
 
 
 def assert_same(a, b):
@@ -112,7 +115,8 @@ def test_global_and_dense_shapes_every_variant(arch, kw):
     """[B, D] and [B, h, w, D] at 224 and 96 px for every architecture and patch / window option.
     Shapes do not depend on the depth, so this propagates them (meta device: no arithmetic)
     through one block per stage of the real widths, heads and windows."""
-    shallow = dict(depth=1) if common.ARCHS[arch]["family"] == "vit" else dict(depths=(1, 1, 1, 1))
+    cfg = common.ARCHS[arch]
+    shallow = dict(depth=1) if cfg["family"] == "vit" else dict(depths=(1,) * len(cfg["depths"]))
     with torch.device("meta"):
         model = common.build_backbone(arch, **kw, **shallow).eval()
     with torch.no_grad():
@@ -137,7 +141,8 @@ def test_tiny_forward_dense_and_global(arch, kw):
     mean of the normed tokens), and no mixing between the samples of a batch."""
     torch.manual_seed(0)
     vit = common.ARCHS[arch]["family"] == "vit"
-    model = common.build_backbone(arch, **kw, **(dict(depth=1) if vit else dict(depths=(1, 1, 1, 1)))).eval()
+    shallow = dict(depth=1) if vit else dict(depths=(1,) * len(common.ARCHS[arch]["depths"]))
+    model = common.build_backbone(arch, **kw, **shallow).eval()
     D = EMBED_DIM[arch]
     seen = []
     model.norm.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
