@@ -1,19 +1,20 @@
-"""The README's Fashion-MNIST results table: small CPU presets of every method, k-NN (or, for DRLoc,
-supervised) top-1 on the real test split, over several seeds. Not collected by pytest.
+"""The README's Fashion-MNIST results: small-image CPU recipes of every method at the images' own
+scale (32 px crops of the 28 px images), over several seeds. Not collected by pytest.
 
-    python tests/results.py --runs dino esvit --seeds 0 1      # train + evaluate, append to the log
-    python tests/results.py --runs pixels --seeds 0            # the k-NN on raw pixels, for scale
-    python tests/results.py --table                             # the markdown table of everything logged
+    python tests/results.py --runs dino --phase val --seeds 0     # choose: train on 50k, k-NN on the other 10k
+    python tests/results.py --runs dino --phase test --seeds 0 1  # report: train on 60k, k-NN on the test split
+    python tests/results.py --runs pixels                         # the k-NN on raw pixels, for scale
+    python tests/results.py --table                               # the markdown tables of everything logged
 
-Each (run, seed) trains in its own output directory under --work_dir, is evaluated with
-eval_knn.py (k = 20, T = 0.07, all 60000 train images as the bank, the 10000 test images), and
-appends one JSON line (top-1, wall time of training, peak memory, the exact commands) to --log.
-Presets are sized for one core of a 2-core CPU: the ViT runs see 800 steps of 32 images, the Swin
-runs 250 (a Swin step at 64 px costs about five ViT-pico/8 steps), DRLoc 5 epochs of 10000 images.
-GLSD's Similarity and Vanilla settings are the EsViT runs with and without the region loss: they train
-bit-identically, so `--table` shows those runs for them unless they were run themselves.
-Nothing is tuned on the test split: the hyperparameters are the CPU recipe of the README's
-"What a few CPU minutes show" section, fixed before any of these runs.
+Phases. `val` trains with `--holdout 10000` (the last 10000 train images are held out) and
+evaluates on those 10000 with the other 50000 as the k-NN bank: every recipe and variant was chosen
+there. `test` trains on all 60000 train images and evaluates once on the 10000 test images with the
+60000 as the bank; it is run only for the chosen recipe. Each run is also evaluated at its random
+initialisation (`eval_knn.py --random_init` on the run's own checkpoint: the same architecture,
+windows and seed), so every row carries its own baseline. k-NN: k = 20, T = 0.07 (eval_knn.py).
+One JSON line per (run, variant, phase, seed) is appended to --log, with the exact commands, the
+wall time of training and its peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a
+recipe under its own name (used in the val phase only).
 """
 import argparse
 import json
@@ -29,30 +30,24 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SSL = ("--dataset fashion_mnist --global_crop_size 64 --local_crop_size 32 --local_crops_number 4 "
-       "--batch_size_per_gpu 32 --head_hidden_dim 256 --head_bottleneck_dim 64 --out_dim 1024 "
-       "--drop_path_rate 0 --warmup_epochs 1 --num_workers 1 --saveckp_freq 0")
-VIT = "--arch vit_pico --patch_size 8 --lr 0.001 --epochs 10 --max_steps_per_epoch 80"
-SWIN = ("--arch swin_pico --lr 0.002 --momentum_teacher 0.99 --teacher_temp 0.02 --warmup_teacher_temp 0.02 "
-        "--epochs 5 --max_steps_per_epoch 50")
-DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch swin_pico --input_size 56 --batch_size_per_gpu 64 "
-         "--epochs 5 --warmup_epochs 1 --lr 5e-3 --lambda_warmup_epochs 1 --num_workers 1")
+# Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head sized
+# for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
+SSL = ("--dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
+       "--out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
+       "--batch_size_per_gpu 128 --weight_decay 0.04 --weight_decay_end 0.04 --freeze_last_layer 0 "
+       "--momentum_teacher 0.99 --drop_path_rate 0 --num_workers 1 --saveckp_freq 0")
+VIT = "--arch vit_pico --patch_size 4 --lr 0.004 --epochs 1 --warmup_epochs 0.5"
+SWIN = "--arch swin_pico3 --fit_window true --lr 0.004 --epochs 1 --warmup_epochs 0.5"
 
-# name: (script or None for a random initialisation, flags, evaluation image size)
+# name: (script, flags)
 RUNS = {
-    "pixels": (None, None, None),   # no network: the same k-NN on the raw 28x28 pixels
-    "random_vit": (None, "--arch vit_pico --patch_size 8", 64),
-    "random_swin": (None, "--arch swin_pico", 64),
-    "dino": ("dino.py", f"{SSL} {VIT}", 64),
-    "selfpatch": ("selfpatch.py", f"{SSL} {VIT} --patch_out_dim 256", 64),
-    "esvit": ("esvit.py", f"{SSL} {SWIN}", 64),
-    "esvit_view": ("esvit.py", f"{SSL} {SWIN} --use_region_loss false", 64),
-    "glsd_none": ("glsd.py", f"{SSL} {SWIN} --local_matching none", 64),
-    "glsd_similarity": ("glsd.py", f"{SSL} {SWIN} --local_matching similarity", 64),
-    "glsd_geometric": ("glsd.py", f"{SSL} {SWIN} --local_matching geometric", 64),
-    "drloc": ("drloc.py", DRLOC, None),
-    "drloc_base": ("drloc.py", f"{DRLOC} --lambda_drloc 0", None),
+    "pixels": (None, None),   # no network: the same k-NN on the raw 28x28 pixels
+    "dino": ("dino.py", f"{SSL} {VIT}"),
+    "selfpatch": ("selfpatch.py", f"{SSL} {VIT} --patch_out_dim 4096"),
+    "esvit": ("esvit.py", f"{SSL} {SWIN}"),
+    "glsd": ("glsd.py", f"{SSL} {SWIN} --local_matching geometric"),
 }
+HOLDOUT = 10000
 
 
 def run(cmd, log_path):
@@ -71,88 +66,101 @@ def knn_top1(output):
     return float(match.group(1))
 
 
-def pixels_top1():
+def pixels_top1(phase):
     """20-NN (T = 0.07, eval_knn.py's vote) on the l2-normalised raw pixels of Fashion-MNIST."""
     sys.path.insert(0, str(ROOT))
     import common
     import eval_knn
-    train, test = common.FashionMNIST(train=True), common.FashionMNIST(train=False)
-    features = [torch.nn.functional.normalize(torch.tensor(d.images.reshape(len(d), -1), dtype=torch.float32), dim=1)
-                for d in (train, test)]
-    labels = [torch.as_tensor(d.targets) for d in (train, test)]
-    return eval_knn.knn_classifier(features[0], labels[0], features[1], labels[1], k=20, T=0.07, num_classes=10)[0]
-
-
-def train_and_evaluate(name, seed, work_dir):
-    script, flags, size = RUNS[name]
-    if name == "pixels":  # deterministic: the seed changes nothing
-        return {"run": name, "seed": seed, "train_seconds": 0.0, "peak_memory_mb": None, "top1": pixels_top1(),
-                "eval_command": f"python tests/results.py --runs pixels --seeds {seed}"}
-    out = Path(work_dir) / f"{name}_seed{seed}"
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"run": name, "seed": seed}
-    evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20", "--num_workers", "1"]
-    if script is None:  # random initialisation: the seed picks the initial weights
-        evaluation += ["--random_init", *flags.split(), "--seed", str(seed), "--resize", str(size), "--crop", str(size)]
-        record.update(train_seconds=0.0, peak_memory_mb=None)
+    train = common.FashionMNIST(train=True)
+    if phase == "val":
+        bank = (train.images[:-HOLDOUT], train.targets[:-HOLDOUT])
+        queries = (train.images[-HOLDOUT:], train.targets[-HOLDOUT:])
     else:
-        train = [sys.executable, script, *flags.split(), "--seed", str(seed), "--output_dir", str(out)]
-        start = time.time()
-        run(train, out / "train.txt")
-        record["train_seconds"] = round(time.time() - start, 1)
-        epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
-        record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
-        record["train_command"] = " ".join(["python", *train[1:]])
-        if script == "drloc.py":  # supervised: its own validation top-1 after the last epoch
-            record["top1"] = epochs[-1]["val_acc1"]
-        else:
-            evaluation += ["--pretrained_weights", str(out / "checkpoint.pth"), "--resize", str(size), "--crop", str(size)]
-    if "top1" not in record:
-        record["top1"] = knn_top1(run(evaluation, out / "eval.txt"))
-        record["eval_command"] = " ".join(["python", *evaluation[1:]])
+        test = common.FashionMNIST(train=False)
+        bank, queries = (train.images, train.targets), (test.images, test.targets)
+    feats = [torch.nn.functional.normalize(torch.tensor(x.reshape(len(x), -1), dtype=torch.float32), dim=1)
+             for x, _ in (bank, queries)]
+    labels = [torch.as_tensor(y) for _, y in (bank, queries)]
+    return eval_knn.knn_classifier(feats[0], labels[0], feats[1], labels[1], k=20, T=0.07, num_classes=10)[0]
+
+
+def train_and_evaluate(name, variant, extra, phase, seed, work_dir):
+    record = {"run": name, "variant": variant, "phase": phase, "seed": seed}
+    if name == "pixels":  # deterministic: the seed changes nothing
+        return {**record, "top1": pixels_top1(phase), "train_seconds": 0.0}
+    script, flags = RUNS[name]
+    split = ["--holdout", str(HOLDOUT)] if phase == "val" else []
+    out = Path(work_dir) / f"{name}_{variant}_{phase}_seed{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed), "--output_dir", str(out)]
+    start = time.time()
+    run(train, out / "train.txt")
+    record["train_seconds"] = round(time.time() - start, 1)
+    epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+    record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
+    record["last_epoch"] = {k: v for k, v in epochs[-1].items() if isinstance(v, float)}
+    record["train_command"] = " ".join(["python", *train[1:]])
+    evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20", "--num_workers", "1",
+                  "--resize", "32", "--crop", "32", "--pretrained_weights", str(out / "checkpoint.pth"), *split]
+    record["top1"] = knn_top1(run(evaluation, out / "eval.txt"))
+    record["eval_command"] = " ".join(["python", *evaluation[1:]])
+    baseline = [*evaluation, "--random_init", "--seed", str(seed)]
+    record["random_init_top1"] = knn_top1(run(baseline, out / "eval_random.txt"))
+    record["random_init_command"] = " ".join(["python", *baseline[1:]])
     return record
 
 
-# GLSD's Similarity and Vanilla settings train bit-identically to EsViT with and without its region
-# loss (same seed, same flags; tests/test_glsd.py checks it), so the table reuses those runs for them.
-SAME_TRAINING = {"glsd_none": "esvit_view", "glsd_similarity": "esvit"}
+def mean_spread(values):
+    return f"{statistics.mean(values):.1f} ± {(max(values) - min(values)) / 2:.1f}"
 
 
-def table(records):
-    rows = ["| run | seeds | top-1 (%) mean ± spread | train time (min) | peak memory (MB) |", "|---|---|---|---|---|"]
-    for name in RUNS:
-        rs = [r for r in records if r["run"] == name]
-        if not rs and name in SAME_TRAINING:
-            rs = [r for r in records if r["run"] == SAME_TRAINING[name]]
-            name = f"{name} (= {SAME_TRAINING[name]})"
-        if not rs:
-            continue
+def table(records, phase):
+    rows = [f"| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points) | train time (min) | "
+            f"peak memory (MB) |", "|---|---|---|---|---|---|---|---|"]
+    groups = {}
+    for r in records:
+        if r.get("phase") == phase:
+            groups.setdefault((r["run"], r.get("variant", "recipe")), []).append(r)
+    for (name, variant), rs in groups.items():
         top1 = [r["top1"] for r in rs]
-        spread = (max(top1) - min(top1)) / 2
+        if name == "pixels":
+            rows.append(f"| raw pixels | — | — | {top1[0]:.1f} | — | — | — | — |")
+            continue
+        random_init = [r["random_init_top1"] for r in rs]
+        gains = [a - b for a, b in zip(top1, random_init)]
         minutes = statistics.mean(r["train_seconds"] for r in rs) / 60
-        memory = [r["peak_memory_mb"] for r in rs if r["peak_memory_mb"]]
-        rows.append(f"| {name} | {len(rs)} | {statistics.mean(top1):.1f} ± {spread:.1f} | {minutes:.1f} | "
-                    f"{max(memory) if memory else '—'} |")
+        rows.append(f"| {name} | {variant} | {len(rs)} | {mean_spread(top1)} | {mean_spread(random_init)} | "
+                    f"{mean_spread(gains)} | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} |")
     return "\n".join(rows)
 
 
 def main():
     p = argparse.ArgumentParser("results.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="presets to train and evaluate")
+    p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
+    p.add_argument("--phase", default="test", choices=["val", "test"],
+                   help="val: train on 50k, evaluate on the held-out 10k train images; test: the reported numbers")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
+    p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
     p.add_argument("--work_dir", default="runs/results", help="output directories of the runs")
-    p.add_argument("--log", default=str(ROOT / "tests" / "results_fashion_mnist.jsonl"),
-                   help="one JSON line per (run, seed) is appended here")
-    p.add_argument("--table", action="store_true", help="print the markdown table of the log")
+    p.add_argument("--log", default=str(ROOT / "tests" / "results_32px.jsonl"),
+                   help="one JSON line per (run, variant, phase, seed) is appended here")
+    p.add_argument("--table", action="store_true", help="print the markdown tables of the log")
     args = p.parse_args()
+    if args.extra and args.variant == "recipe":
+        sys.exit("error: name a variant (--variant NAME) for --extra flags")
     for name in args.runs:
-        for seed in args.seeds:
-            record = train_and_evaluate(name, seed, args.work_dir)
+        for seed in args.seeds if name != "pixels" else [0]:
+            record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir)
             with open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            print(f"{name} seed {seed}: top-1 {record['top1']:.1f}%, {record['train_seconds'] / 60:.1f} min", flush=True)
+            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}% (random init "
+                  f"{record.get('random_init_top1', float('nan')):.2f}%), {record['train_seconds'] / 60:.1f} min",
+                  flush=True)
     if args.table:
-        print(table([json.loads(line) for line in Path(args.log).read_text().splitlines() if line.strip()]))
+        records = [json.loads(line) for line in Path(args.log).read_text().splitlines() if line.strip()]
+        for phase in ("val", "test"):
+            print(f"\n{phase}:\n{table(records, phase)}")
 
 
 if __name__ == "__main__":
