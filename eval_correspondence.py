@@ -68,7 +68,7 @@ def get_args_parser():
                    help="esvit (centre crop vs its flipped, jittered copy), glsd (one random crop seen "
                         "twice), overlap (two random crops, scored inside their overlap)")
     g.add_argument("--crop_size", default=224, type=int,
-                   help="side of both views in pixels; a multiple of the token stride (ViT patch, 32 for Swin)")
+                   help="side of both views in pixels; a multiple of the token stride (ViT patch; 32 for Swin-T, 8 for swin_pico3)")
     g.add_argument("--crops_scale", default=(0.4, 1.0), type=float, nargs=2,
                    help="area range of the random crops of the glsd and overlap protocols (DINO's global crops)")
     g.add_argument("--photometric", default=True, type=common.bool_flag,

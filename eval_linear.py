@@ -212,7 +212,7 @@ def main(args):
 
     # ---- frozen backbone; the linear probe's input size from one dry run
     model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                args.window_size, args.random_init)
+                                args.window_size, args.random_init, args.crop)
     model.to(device)
     check_feature_args(model, args)
     with torch.no_grad():

@@ -48,8 +48,8 @@ non-square images are not distorted; the losses are tensor operations over all c
 resolution group; the region term computes the cross-entropy of every (student token, teacher
 token) pair and then picks the matched one (no [pairs, B, T, K] gather); losses are computed in
 float32 outside the autocast region (autocast would run their einsums in bf16 / fp16). Crop sizes
-must be multiples of the token stride (32 px for Swin, the patch size for ViT) so that the token
-grid tiles the crop exactly.
+must be multiples of the token stride (32 px for the papers' Swins, 8 px for swin_pico3, the patch
+size for ViT) so that the token grid tiles the crop exactly.
 """
 import argparse
 import math
