@@ -223,6 +223,7 @@ def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args
 # ================================================================================================
 def main(args):
     device = common.init_distributed(args.device)
+    common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
     common.save_args(args)
