@@ -970,7 +970,8 @@ def mock_hardware(monkeypatch, capability, cpu_flags, gpu_bf16):
     GPU says yes to bf16 with emulation (as a V100 does) and natively only when `gpu_bf16`."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": capability != "DEFAULT", **cpu_flags})
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation or gpu_bf16)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or gpu_bf16)
 
 
 @pytest.mark.parametrize("case", PRECISION_CASES)
