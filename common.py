@@ -848,6 +848,71 @@ def make_grad_scaler(device, precision):
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
+# bf16 pays only where the hardware computes in it. A CPU without AVX512-BF16 or AMX-BF16 gets
+# torch's emulation: on an AMD EPYC with AVX2 only, a 1024 x 1024 matmul took 94x as long as in
+# fp32 and a DINO ViT-S/16 step about 25x (README, "Precision").
+EMULATED_BF16_SLOWDOWN = "a ViT-S/16 step about 25x slower than in fp32 (measured on an AVX2-only AMD EPYC)"
+
+
+def choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability, pico_model):
+    """What `--precision auto` runs, and why (one line for the log). A pure function of what
+    `precision_facts` finds out, so that every case is testable on any machine:
+      GPU with native bf16 (Ampere or newer)   bf16: fp16's speed, fp32's range (no grad scaler)
+      GPU without                              fp16 with a grad scaler, as DINO's authors train
+      CPU with AVX512-BF16 or AMX-BF16         bf16, but fp32 for the *_pico models (vit_pico steps
+                                               were 1.3-1.7x slower in bf16 there: the CPU attention
+                                               backward in bf16 is slow for short sequences)
+      any other CPU or device                  fp32 (bf16 would be emulated)"""
+    if device_type == "cuda":
+        if cuda_bf16:
+            return "bf16", "this GPU computes in bf16 natively"
+        return "fp16", "this GPU has no native bf16: fp16 with a grad scaler, as the authors train"
+    if device_type != "cpu":
+        return "fp32", f"no mixed-precision rule for {device_type} devices"
+    if not cpu_native_bf16:
+        return "fp32", (f"this CPU has no native bf16 (torch CPU capability {cpu_capability}, no AVX512-BF16 "
+                        f"or AMX-BF16): emulated bf16 would make {EMULATED_BF16_SLOWDOWN}")
+    if pico_model:
+        return "fp32", "the *_pico models train faster in fp32 than in bf16 even on a CPU with native bf16"
+    return "bf16", f"this CPU has native bf16 (AVX512-BF16 or AMX-BF16; torch CPU capability {cpu_capability})"
+
+
+def cpu_has_native_bf16():
+    """AVX512-BF16 or AMX-BF16, as torch's cpuinfo reports them (the capability string, e.g.
+    'AVX512', does not say); torch without `torch.cpu.get_capabilities`: the Linux kernel's flags."""
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if get_capabilities is not None:
+        capabilities = get_capabilities()
+        return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def precision_facts(device):
+    """What `choose_precision` needs to know about `device`, as torch reports it."""
+    return dict(device_type=device.type,
+                cuda_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False),
+                cpu_native_bf16=cpu_has_native_bf16(), cpu_capability=torch.backends.cpu.get_cpu_capability())
+
+
+def resolve_precision(args, device):
+    """Once at start-up: replace `--precision auto` by what `choose_precision` picks for this device
+    and log why; args.json then holds the precision that runs and `precision_auto` (whether it was
+    chosen). An explicit bf16 on a CPU without native bf16 runs, after one warning."""
+    facts = precision_facts(device)
+    args.precision_auto = args.precision == "auto"
+    if args.precision_auto:
+        args.precision, reason = choose_precision(**facts, pico_model=args.arch.endswith("_pico"))
+        log(f"precision: {args.precision} (--precision auto: {reason})")
+    elif args.precision == "bf16" and device.type == "cpu" and not facts["cpu_native_bf16"]:
+        log(f"warning: --precision bf16 on a CPU without native bf16 (torch CPU capability {facts['cpu_capability']}, "
+            f"no AVX512-BF16 or AMX-BF16): torch emulates it; expect {EMULATED_BF16_SLOWDOWN}. "
+            f"--precision auto picks fp32 here")
+
+
 def fix_random_seeds(seed):
     """Same seed in every process (DDP also broadcasts the weights of rank 0)."""
     torch.manual_seed(seed)
@@ -1031,9 +1096,12 @@ def add_run_args(parser, saveckp_freq=20):
     g.add_argument("--saveckp_freq", default=saveckp_freq, type=int, help="keep a copy every N epochs")
     g.add_argument("--seed", default=0, type=int, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    g.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"],
-                   help="autocast dtype; fp16 uses a grad scaler (on CPU only for testing: slow); bf16 is faster "
-                        "on GPUs, and on CPUs at ViT-S size (slower for the tiny *_pico models)")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                   help="autocast dtype. auto: bf16 on GPUs with native bf16, else fp16 with a grad scaler (as "
+                        "DINO's authors train); on CPUs bf16 only with native bf16 (AVX512-BF16 or AMX-BF16) and not "
+                        "for the *_pico models, else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an "
+                        "AVX2-only CPU); the choice and its reason are logged. fp16 uses a grad scaler (on CPU "
+                        "only for testing: slow)")
     g.add_argument("--save_every_iters", default=0, type=int,
                    help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
                         "resumes at the next unseen batch")

@@ -52,6 +52,10 @@ draw itself is the authors' pair of randint calls);
 the lr warms up from 5e-7 x batch / 512 and then follows `common.cosine_scheduler` over the
 remaining iterations (the Swin code's timm scheduler runs its cosine over all iterations, warmup
 included); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
+Precision: the authors train in fp32 (apex `--amp-opt-level O0`, their default). Here the
+default `--precision auto` picks per device as for the other methods (`common.choose_precision`):
+bf16 on GPUs with native bf16 (fp16 with a grad scaler on older ones) and on CPUs with native bf16
+(AVX512-BF16 / AMX), fp32 on other CPUs; `--precision fp32` is the authors' setting.
 """
 import argparse
 import math
@@ -491,6 +495,7 @@ def stop_if_not_finite(loss, model, optimizer, criterion, epoch, args):
 # ================================================================================================
 def main(args):
     device = common.init_distributed(args.device)
+    common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
     common.save_args(args)

@@ -50,6 +50,10 @@ token) pair and then picks the matched one (no [pairs, B, T, K] gather); losses 
 float32 outside the autocast region (autocast would run their einsums in bf16 / fp16). Crop sizes
 must be multiples of the token stride (32 px for the papers' Swins, 8 px for swin_pico3, the patch
 size for ViT) so that the token grid tiles the crop exactly.
+Precision: the authors' code (EsViT's) trains in fp16 with a grad scaler (`--use_fp16`, on by
+default in EsViT). Here the default `--precision auto` picks per device (`common.choose_precision`):
+fp16 so only on GPUs without native bf16, bf16 on newer GPUs and on CPUs with native bf16
+(AVX512-BF16 / AMX), fp32 on other CPUs, where emulated bf16 makes a ViT-S/16 step about 25x slower.
 """
 import argparse
 import math
@@ -362,6 +366,7 @@ def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args
 # ================================================================================================
 def main(args):
     device = common.init_distributed(args.device)
+    common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
     common.save_args(args)

@@ -3,6 +3,8 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
@@ -23,3 +25,5 @@ def test_bench_one_method_one_step(capsys):
     assert all(d["repo"] > 0 and d["reference"] > 0 for d in result["data"])
     out = capsys.readouterr().out
     assert "| glsd_geometric | fp32 |" in out and "dense matmul peak (best before and after the rows): fp32" in out
+    assert f"CPU capability (torch): {torch.backends.cpu.get_cpu_capability()}; native bf16 on cpu: " in out
+    assert "--precision auto would train in fp32 (" in out                 # vit_pico: fp32 on every CPU

@@ -957,6 +957,68 @@ def test_autocast_precisions():
     assert not common.make_grad_scaler(cpu, "bf16").is_enabled()
 
 
+# (device, torch's CPU capability, cpuinfo's bf16 flags, the GPU computes bf16 natively, arch) -> auto's pick
+PRECISION_CASES = {
+    "Zen 4 / Cooper Lake: AVX512-BF16": ("cpu", "AVX512", {"avx512_bf16": True}, False, "vit_small", "bf16"),
+    "Sapphire Rapids: AMX-BF16": ("cpu", "AVX512", {"amx_bf16": True}, False, "vit_small", "bf16"),
+    "native bf16, but a pico model": ("cpu", "AVX512", {"amx_bf16": True}, False, "swin_pico", "fp32"),
+    "Skylake: AVX-512 without bf16": ("cpu", "AVX512", {}, False, "vit_small", "fp32"),
+    "EPYC with AVX2 only": ("cpu", "AVX2", {}, False, "vit_small", "fp32"),
+    "no vector unit torch uses": ("cpu", "DEFAULT", {}, False, "vit_small", "fp32"),
+    "Ampere or newer GPU": ("cuda", "AVX2", {}, True, "vit_small", "bf16"),
+    "V100: bf16 only emulated": ("cuda", "AVX512", {"avx512_bf16": True}, False, "vit_pico", "fp16"),
+}
+
+
+def mock_hardware(monkeypatch, capability, cpu_flags, gpu_bf16):
+    """What torch reports about the CPU and the GPU, as `common.precision_facts` asks it. The mocked
+    GPU says yes to bf16 with emulation (as a V100 does) and natively only when `gpu_bf16`."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": capability != "DEFAULT", **cpu_flags})
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or gpu_bf16)
+
+
+@pytest.mark.parametrize("case", PRECISION_CASES)
+def test_precision_auto_follows_the_hardware_and_says_why(monkeypatch, capsys, case):
+    device, capability, cpu_flags, gpu_bf16, arch, expected = PRECISION_CASES[case]
+    mock_hardware(monkeypatch, capability, cpu_flags, gpu_bf16)
+    args = Namespace(precision="auto", arch=arch)
+    common.resolve_precision(args, torch.device(device))
+    assert (args.precision, args.precision_auto) == (expected, True)
+    (line,) = capsys.readouterr().out.splitlines()              # one line, with the reason
+    assert line.startswith(f"precision: {expected} (--precision auto: ")
+    if device == "cpu" and not cpu_flags:
+        assert f"capability {capability}" in line and "no native bf16" in line and "25x slower" in line
+    assert common.make_grad_scaler(torch.device("cpu"), args.precision).is_enabled() == (expected == "fp16")
+
+
+def test_choose_precision_is_a_function_of_what_it_is_told():
+    def choose(device_type, cuda_bf16=False, cpu_native_bf16=False, cpu_capability="AVX2", pico_model=False):
+        return common.choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability, pico_model)[0]
+    assert choose("cuda", cuda_bf16=True, pico_model=True) == "bf16"             # no pico rule on GPUs
+    assert choose("cuda", cpu_native_bf16=True) == "fp16"                        # the CPU's bf16 is no GPU's
+    assert choose("cpu", cuda_bf16=True) == "fp32"                               # nor the GPU's the CPU's
+    assert choose("cpu", cpu_native_bf16=True) == "bf16"
+    assert common.choose_precision("mps", False, False, "DEFAULT", False) == ("fp32", "no mixed-precision rule "
+                                                                                      "for mps devices")
+
+
+def test_explicit_bf16_on_a_cpu_without_native_bf16_runs_after_one_warning(monkeypatch, capsys):
+    mock_hardware(monkeypatch, "AVX2", {}, False)
+    args = Namespace(precision="bf16", arch="vit_small")
+    common.resolve_precision(args, torch.device("cpu"))
+    assert (args.precision, args.precision_auto) == ("bf16", False)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("warning: --precision bf16 on a CPU without native bf16 (torch CPU capability AVX2")
+    assert "25x slower than in fp32" in line and "--precision auto picks fp32" in line
+    for precision, flags in (("bf16", {"amx_bf16": True}), ("fp32", {}), ("fp16", {})):   # nothing to warn about
+        mock_hardware(monkeypatch, "AVX512", flags, False)
+        args = Namespace(precision=precision, arch="vit_small")
+        common.resolve_precision(args, torch.device("cpu"))
+        assert (args.precision, args.precision_auto, capsys.readouterr().out) == (precision, False, "")
+
+
 def test_fp16_gradient_overflow_skips_the_step_and_lowers_the_scale():
     """The update sequence of every training loop (scale, backward, unscale, per-parameter clip,
     step, update) with a scale so large that the fp16 gradients overflow: no parameter moves, the

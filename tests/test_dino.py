@@ -197,6 +197,18 @@ def test_two_step_run_then_resume(tmp_path):
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 2
 
 
+def test_default_precision_is_chosen_logged_and_recorded(tmp_path):
+    """`--precision auto` (the default) trains in fp32 on a CPU without native bf16, and with the
+    pico models on any CPU; one line says which and why; args.json records it and that auto chose."""
+    result = run_dino("--epochs", "1", "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("precision: fp32 (--precision auto: ")]
+    why = "no native bf16" if not common.cpu_has_native_bf16() else "*_pico models train faster in fp32"
+    assert why in line and "warning" not in result.stdout
+    recorded = json.loads((tmp_path / "args.json").read_text())
+    assert (recorded["precision"], recorded["precision_auto"]) == ("fp32", True)
+
+
 def test_nonfinite_loss_stops_with_advice(tmp_path):
     result = run_dino("--epochs", "1", "--max_steps_per_epoch", "2", "--output_dir", str(tmp_path), "--lr", "1e30",
                       "--clip_grad", "0", "--warmup_epochs", "0", "--optimizer", "sgd")
