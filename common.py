@@ -905,7 +905,7 @@ def resolve_precision(args, device):
     facts = precision_facts(device)
     args.precision_auto = args.precision == "auto"
     if args.precision_auto:
-        args.precision, reason = choose_precision(**facts, pico_model=args.arch.endswith("_pico"))
+        args.precision, reason = choose_precision(**facts, pico_model="_pico" in args.arch)
         log(f"precision: {args.precision} (--precision auto: {reason})")
     elif args.precision == "bf16" and device.type == "cpu" and not facts["cpu_native_bf16"]:
         log(f"warning: --precision bf16 on a CPU without native bf16 (torch CPU capability {facts['cpu_capability']}, "
