@@ -38,7 +38,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-import eval_correspondence
 
 
 # ================================================================================================
@@ -81,7 +80,7 @@ def get_args_parser():
 
     common.add_multicrop_args(p)
     common.add_data_args(p)
-    eval_correspondence.add_monitor_args(common.add_run_args(p, saveckp_freq=20))
+    common.add_monitor_args(common.add_run_args(p, saveckp_freq=20))
     return p
 
 
@@ -240,7 +239,7 @@ def main(args):
     teacher = build_model(args, 0.0).to(device)
     teacher.load_state_dict(student.state_dict())
     teacher.requires_grad_(False)
-    monitor = eval_correspondence.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
+    monitor = common.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
     if common.is_dist():
         if args.use_bn_in_head:
             student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
@@ -275,7 +274,6 @@ def main(args):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        dataset.set_epoch(epoch)
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
@@ -298,6 +296,7 @@ def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
     state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "dino_loss": criterion.state_dict(),
              "epoch": epoch, "step": step, "args": vars(args), "method": "dino",
+             "backbone": common.backbone_record(teacher.backbone),
              "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return

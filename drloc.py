@@ -549,7 +549,6 @@ def main(args):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        dataset.set_epoch(epoch)
         record = train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
@@ -570,7 +569,8 @@ def save_all(model, optimizer, scaler, criterion, epoch, step, args):
     eval_linear.py and timm)."""
     state = {"model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict(), "drloc_loss": criterion.state_dict(), "epoch": epoch, "step": step,
-             "args": vars(args), "method": "drloc", "rng": common.all_gather_objects(common.rng_state())}
+             "args": vars(args), "method": "drloc", "backbone": common.backbone_record(common.unwrap(model).backbone),
+             "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)

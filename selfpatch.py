@@ -64,7 +64,6 @@ import argparse
 import math
 import sys
 import time
-from collections import OrderedDict
 from functools import lru_cache, partial
 from pathlib import Path
 
@@ -73,7 +72,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-import eval_correspondence
 
 
 # ================================================================================================
@@ -124,7 +122,7 @@ def get_args_parser():
 
     common.add_multicrop_args(p, global_crops_scale=(0.25, 1.0), local_crops_scale=(0.05, 0.25))
     common.add_data_args(p)
-    eval_correspondence.add_monitor_args(common.add_run_args(p, saveckp_freq=10))
+    common.add_monitor_args(common.add_run_args(p, saveckp_freq=10))
     return p
 
 
@@ -228,54 +226,12 @@ def select_positives(tokens, neighbors, valid, k):
 # ================================================================================================
 # Model: ViT without CLS token + aggregation module + image and patch heads over all crops
 # ================================================================================================
-class ClassAttentionBlock(nn.Module):
-    """CaiT's class-attention block without LayerScale: the query attends over [query; tokens] (itself
-    included) and only the query is updated; the tokens pass through unchanged."""
-
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, eps=1e-6):
-        super().__init__()
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = nn.ModuleDict({name: nn.Linear(dim, dim) for name in ("q", "k", "v", "proj")})
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
-        hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim)))
-
-    def split_heads(self, x):                                    # [M, L, C] -> [M, heads, L, C / heads]
-        return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-
-    def forward(self, query, tokens):
-        """query [M, 1, C], tokens [M, T, C] -> the updated query [M, 1, C]."""
-        u = self.norm1(torch.cat([query, tokens], dim=1))              # keys and values: query included
-        q = self.split_heads(self.attn["q"](u[:, :1]))
-        k, v = self.split_heads(self.attn["k"](u)), self.split_heads(self.attn["v"](u))
-        attn = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)   # [M, heads, 1, 1 + T]
-        query = query + self.attn["proj"]((attn @ v).transpose(1, 2).flatten(2))
-        return query + self.mlp(self.norm2(query))
-
-
-class AggregationModule(nn.Module):
-    """A learned query, two class-attention blocks and a final LayerNorm (the authors' `SelfPatchHead`).
-    Summarises a set of tokens into one: all patches of an image (the image token), or the
-    positives of one patch."""
-
-    def __init__(self, dim, num_heads, num_blocks=2):
-        super().__init__()
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))       # the learned query (authors' name)
-        self.cls_blocks = nn.ModuleList(ClassAttentionBlock(dim, num_heads) for _ in range(num_blocks))
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-
-    def summarize(self, tokens):
-        """tokens [M, T, C] -> [M, C], before the final LayerNorm."""
-        query = self.cls_token.expand(len(tokens), -1, -1)
-        for block in self.cls_blocks:
-            query = block(query, tokens)
-        return query[:, 0]
+class AggregationModule(common.ClassAttentionPool):
+    """A learned query, two class-attention blocks (CaiT's, without LayerScale; on timm's `ClassAttn`)
+    and a final LayerNorm: the authors' `SelfPatchHead`, with their key names. Summarises a set of
+    tokens into one: all patches of an image (the image token), or the positives of one patch.
+    The architecture is in common.py, because evaluation rebuilds the image token from a checkpoint
+    (`common.load_backbone`); what training adds, the patch outputs, is here."""
 
     def forward(self, tokens, positives=None):
         """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs are the
@@ -320,12 +276,6 @@ class SelfPatch(nn.Module):
             common.die(f"--k_num {self.k_num} needs 1 to {fewest} positives on a {h}x{w} patch grid with "
                        f"--neighbors_wrap {str(self.neighbors_wrap).lower()}: lower --k_num, or use {fix}")
         return select_positives(grid.flatten(1, 2), neighbors.to(grid.device), valid.to(grid.device), self.k_num)
-
-    def image_features(self, images):
-        """[B, D] image token for evaluation (k-NN, linear): the aggregation module's summary of all
-        patches after its final LayerNorm, before the heads."""
-        _, grid = self.backbone.forward_dense(images, norm=False)
-        return self.ca_head.norm(self.ca_head.summarize(grid.flatten(1, 2)))
 
 
 def build_model(args, drop_path_rate):
@@ -438,7 +388,7 @@ def main(args):
     teacher = build_model(args, 0.0).to(device)
     teacher.load_state_dict(student.state_dict())
     teacher.requires_grad_(False)
-    monitor = eval_correspondence.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
+    monitor = common.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
     if common.is_dist():
         if args.use_bn_in_head:
             student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
@@ -474,7 +424,6 @@ def main(args):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        dataset.set_epoch(epoch)
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
@@ -497,7 +446,8 @@ def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
     state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
              "selfpatch_loss": criterion.state_dict(), "epoch": epoch, "step": step, "args": vars(args),
-             "method": "selfpatch", "rng": common.all_gather_objects(common.rng_state())}
+             "method": "selfpatch", "backbone": common.backbone_record(teacher.backbone, image_token="ca_head"),
+             "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)
