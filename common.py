@@ -793,6 +793,23 @@ def fix_random_seeds(seed):
     random.seed(seed)
 
 
+def stop_if_not_finite(loss, epoch, args, debug_state):
+    """On a non-finite loss (in any process), write `debug_state()` (the method's networks, optimizer
+    and loss state) with the epoch and args to checkpoint_nonfinite.pth and stop with advice."""
+    bad = all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
+    if bad.item() == 0:
+        return
+    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
+    state = {**debug_state(), "epoch": epoch, "args": vars(args)}
+    if is_main_process():
+        save_checkpoint(state, path)
+    clip = f"a --clip_grad below {args.clip_grad}" if args.clip_grad else "--clip_grad 3.0 (or lower)"
+    log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
+        f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
+        f"gradients. Try --precision fp32, a lower --lr, or {clip}.")
+    sys.exit(1)
+
+
 # ================================================================================================
 # 7. Checkpoints
 # ================================================================================================

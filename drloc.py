@@ -55,7 +55,6 @@ included); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised 
 """
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -427,7 +426,9 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
             outputs = model(images, generator=pair_generator(args.seed, epoch, it))
             losses = criterion(outputs, labels, lambda_drloc)
         loss = losses["loss"]
-        stop_if_not_finite(loss, model, optimizer, criterion, epoch, args)
+        common.stop_if_not_finite(loss, epoch, args, lambda: {
+            "model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+            "drloc_loss": criterion.state_dict()})
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -469,22 +470,6 @@ def validate(model, loader, device, args):
         counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
     counts = common.all_reduce_sum(counts)
     return {"val_acc1": 100 * counts[0].item() / counts[2].item(), "val_acc5": 100 * counts[1].item() / counts[2].item()}
-
-
-def stop_if_not_finite(loss, model, optimizer, criterion, epoch, args):
-    """On a non-finite loss (in any process), save a debug checkpoint and stop with advice."""
-    bad = common.all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
-    if bad.item() == 0:
-        return
-    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
-    state = {"model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-             "drloc_loss": criterion.state_dict(), "epoch": epoch, "args": vars(args)}
-    if common.is_main_process():
-        common.save_checkpoint(state, path)
-    common.log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
-               f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
-               f"gradients. Try --precision fp32, a lower --lr, or --clip_grad 5.0 (or lower).")
-    sys.exit(1)
 
 
 # ================================================================================================

@@ -52,8 +52,6 @@ must be multiples of the token stride (32 px for Swin, the patch size for ViT) s
 grid tiles the crop exactly.
 """
 import argparse
-import math
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -306,7 +304,9 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, epoch, geometry)  # float32: outside autocast
         loss = losses["loss"]
-        stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args)
+        common.stop_if_not_finite(loss, epoch, args, lambda: {
+            "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
+            "optimizer": optimizer.state_dict(), "glsd_loss": criterion.state_dict()})
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -336,23 +336,6 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
     record.update(epoch=epoch, images_per_s=images / (time.time() - start),
                   peak_memory_mb=common.peak_memory_mb(device))
     return record
-
-
-def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args):
-    """On a non-finite loss (in any process), save a debug checkpoint and stop with advice."""
-    bad = common.all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
-    if bad.item() == 0:
-        return
-    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
-    state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
-             "optimizer": optimizer.state_dict(), "glsd_loss": criterion.state_dict(), "epoch": epoch,
-             "args": vars(args)}
-    if common.is_main_process():
-        common.save_checkpoint(state, path)
-    common.log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
-               f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
-               f"gradients. Try --precision fp32, a lower --lr, or --clip_grad 3.0 (or lower).")
-    sys.exit(1)
 
 
 # ================================================================================================

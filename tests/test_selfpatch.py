@@ -5,7 +5,6 @@ Reference cases: tests/data/selfpatch_*.pt hold small cases computed by running 
 official ViT), copied from the project's reference file selfpatch.pt (see the "source" entry of
 each file). The other tests restate the method naively, with loops, on random inputs.
 """
-import argparse
 import json
 import os
 import subprocess
