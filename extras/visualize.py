@@ -154,7 +154,8 @@ def similarity_matches(student_tokens, teacher_tokens):
 def geometric_matches(student_geometry, student_grid, teacher_geometry, teacher_grid):
     """For every student token, the teacher token whose centre is nearest in the original image, and
     whether the squared distance is below the larger squared half-diagonal of a token cell of the two
-    crops (GLSD's Geometric setting; a test checks this against glsd.py, which no script may import)."""
+    crops: GLSD's Geometric setting, written again here because no script imports a method file
+    (tests/test_correspondence.py checks that it equals glsd.py's)."""
     def centres(geometry, grid):  # [T, 2] and the squared half-diagonal of a cell, original pixels
         geometry = {k: v[None] for k, v in geometry.items()}
         cell = geometry["box"][0, 2:].float() * geometry["image_size"][0].float() / torch.tensor(
