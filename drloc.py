@@ -59,7 +59,6 @@ bf16 on GPUs with native bf16 (fp16 with a grad scaler on older ones) and on CPU
 """
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -430,7 +429,9 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
             outputs = model(images, generator=pair_generator(args.seed, epoch, it))
             losses = criterion(outputs, labels, lambda_drloc)
         loss = losses["loss"]
-        stop_if_not_finite(loss, model, optimizer, criterion, epoch, args)
+        common.stop_if_not_finite(loss, epoch, args, lambda: {
+            "model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+            "drloc_loss": criterion.state_dict()})
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -472,22 +473,6 @@ def validate(model, loader, device, args):
         counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
     counts = common.all_reduce_sum(counts)
     return {"val_acc1": 100 * counts[0].item() / counts[2].item(), "val_acc5": 100 * counts[1].item() / counts[2].item()}
-
-
-def stop_if_not_finite(loss, model, optimizer, criterion, epoch, args):
-    """On a non-finite loss (in any process), save a debug checkpoint and stop with advice."""
-    bad = common.all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
-    if bad.item() == 0:
-        return
-    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
-    state = {"model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-             "drloc_loss": criterion.state_dict(), "epoch": epoch, "args": vars(args)}
-    if common.is_main_process():
-        common.save_checkpoint(state, path)
-    common.log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
-               f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
-               f"gradients. Try --precision fp32, a lower --lr, or --clip_grad 5.0 (or lower).")
-    sys.exit(1)
 
 
 # ================================================================================================
@@ -553,7 +538,6 @@ def main(args):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        dataset.set_epoch(epoch)
         record = train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
@@ -574,7 +558,8 @@ def save_all(model, optimizer, scaler, criterion, epoch, step, args):
     eval_linear.py and timm)."""
     state = {"model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict(), "drloc_loss": criterion.state_dict(), "epoch": epoch, "step": step,
-             "args": vars(args), "method": "drloc", "rng": common.all_gather_objects(common.rng_state())}
+             "args": vars(args), "method": "drloc", "backbone": common.backbone_record(common.unwrap(model).backbone),
+             "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)

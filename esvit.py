@@ -52,8 +52,6 @@ without native bf16, bf16 on newer GPUs and on CPUs with native bf16 (AVX512-BF1
 other CPUs, where emulated bf16 makes a ViT-S/16 step about 25x slower.
 """
 import argparse
-import math
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -63,7 +61,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-import eval_correspondence
 
 
 # ================================================================================================
@@ -116,7 +113,7 @@ def get_args_parser():
 
     common.add_multicrop_args(p)
     common.add_data_args(p)
-    eval_correspondence.add_monitor_args(common.add_run_args(p, saveckp_freq=20))
+    common.add_monitor_args(common.add_run_args(p, saveckp_freq=20))
     return p
 
 
@@ -266,7 +263,9 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, epoch)  # float32: outside autocast
         loss = losses["loss"]
-        stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args)
+        common.stop_if_not_finite(loss, epoch, args, lambda: {
+            "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
+            "optimizer": optimizer.state_dict(), "esvit_loss": criterion.state_dict()})
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -298,23 +297,6 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
     return record
 
 
-def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args):
-    """On a non-finite loss (in any process), save a debug checkpoint and stop with advice."""
-    bad = common.all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
-    if bad.item() == 0:
-        return
-    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
-    state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
-             "optimizer": optimizer.state_dict(), "esvit_loss": criterion.state_dict(), "epoch": epoch,
-             "args": vars(args)}
-    if common.is_main_process():
-        common.save_checkpoint(state, path)
-    common.log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
-               f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
-               f"gradients. Try --precision fp32, a lower --lr, or --clip_grad 3.0 (or lower).")
-    sys.exit(1)
-
-
 # ================================================================================================
 # main
 # ================================================================================================
@@ -338,7 +320,7 @@ def main(args):
     teacher = build_model(args, 0.0).to(device)
     teacher.load_state_dict(student.state_dict())
     teacher.requires_grad_(False)
-    monitor = eval_correspondence.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
+    monitor = common.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
     if common.is_dist():
         if args.use_bn_in_head:
             student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
@@ -375,7 +357,6 @@ def main(args):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        dataset.set_epoch(epoch)
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
@@ -425,6 +406,7 @@ def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
     state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "esvit_loss": criterion.state_dict(),
              "epoch": epoch, "step": step, "args": vars(args), "method": "esvit",
+             "backbone": common.backbone_record(teacher.backbone),
              "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return

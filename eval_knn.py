@@ -16,9 +16,9 @@ A test feature x votes with its k nearest train features (cosine similarity s_i,
 with T = 0.07 (not tuned, as in Wu et al.) and k in {10, 20, 100, 200}; the paper finds k = 20 best.
 Top-1 and top-5 accuracies are reported (top-5 only with at least 5 classes).
 
-This script also holds `load_backbone`, which eval_linear.py uses: one loader for this repository's
-checkpoints (any method), its teacher_backbone.pth, the DINO authors' released ViT weights and the
-EsViT / GLSD authors' released Swin checkpoints.
+The backbone comes from `common.load_backbone`, which eval_linear.py uses too: one loader for this
+repository's checkpoints (any method), its teacher_backbone.pth, the DINO authors' released ViT
+weights and the EsViT / GLSD authors' released Swin checkpoints.
 
 Where this file differs from the authors' eval_knn.py:
   * test rows are processed in chunks of a fixed number of rows; the authors' `n // 100` rows per
@@ -31,13 +31,9 @@ Where this file differs from the authors' eval_knn.py:
   * the train features stay on the GPU only when they fit (the authors' `--use_cuda` flag).
 """
 import argparse
-import math
-import re
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import common
@@ -46,44 +42,10 @@ import common
 # ================================================================================================
 # Arguments (defaults: the authors' eval_knn.py)
 # ================================================================================================
-def add_weights_args(parser):
-    """The pretrained model to evaluate (shared with eval_linear.py)."""
-    g = parser.add_argument_group("pretrained model")
-    g.add_argument("--pretrained_weights", default="", type=str,
-                   help="checkpoint.pth of any method of this repository, its teacher_backbone.pth, a "
-                        "released DINO ViT file, or a released EsViT / GLSD Swin checkpoint")
-    g.add_argument("--checkpoint_key", default="teacher", type=str,
-                   help="which network of a full checkpoint to evaluate (teacher or student)")
-    g.add_argument("--random_init", action="store_true",
-                   help="evaluate the architecture at random initialisation instead (a baseline; with "
-                        "--pretrained_weights, the architecture of that checkpoint)")
-    g.add_argument("--arch", default="vit_small", choices=list(common.ARCHS),
-                   help="architecture of a plain state dict (full checkpoints record their own)")
-    g.add_argument("--patch_size", default=16, type=int, help="ViT patch size of a plain state dict")
-    g.add_argument("--window_size", default=7, type=int, help="Swin window size of a plain state dict")
-    return g
-
-
-def add_eval_data_args(parser, batch_size=128):
-    g = common.add_data_args(parser)
-    g.add_argument("--resize", default=256, type=int, help="shorter side after resizing (bicubic)")
-    g.add_argument("--crop", default=224, type=int, help="side of the center crop; for small datasets, "
-                                                          "e.g. --resize 64 --crop 64 on 64-px images")
-    g.add_argument("--batch_size_per_gpu", default=batch_size, type=int, help="images per process")
-    return g
-
-
-def add_eval_run_args(parser):
-    g = parser.add_argument_group("run")
-    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    g.add_argument("--seed", default=0, type=int, help="seeds --random_init (and eval_linear's data order)")
-    return g
-
-
 def get_args_parser():
     p = argparse.ArgumentParser("eval_knn.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_weights_args(p)
+    common.add_weights_args(p)
     g = p.add_argument_group("k-NN")
     g.add_argument("--nb_knn", default=[10, 20, 100, 200], nargs="+", type=int,
                    help="numbers of neighbours k; the paper finds k=20 consistently best")
@@ -92,161 +54,14 @@ def get_args_parser():
     g.add_argument("--dump_features", default=None, help="save the features and labels to this folder")
     g.add_argument("--load_features", default=None,
                    help="load features and labels saved by --dump_features (no model, no images)")
-    add_eval_data_args(p)
-    add_eval_run_args(p)
+    common.add_eval_data_args(p)
+    common.add_eval_run_args(p)
     return p
-
-
-# ================================================================================================
-# Loading a backbone from any checkpoint
-# ================================================================================================
-class ImageToken(nn.Module):
-    """SelfPatch's backbone has no CLS token: its image feature comes from the aggregation head."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model.image_features(x)
-
-
-def backbone_state_dict(state_dict):
-    """The backbone entries of a checkpoint's state dict, renamed to timm's keys, and the names of
-    the entries left out.
-
-    `module.` (DistributedDataParallel) is removed. If some keys start with `backbone.` (a model
-    wrapper, as in this repository and the DINO authors' checkpoints), only those are kept. Heads
-    (`head*`, which EsViT attaches to the backbone itself) and the official Swin's buffers
-    (relative_position_index, attn_mask; timm recomputes them) are left out. The official Swin
-    merges patches at the end of a stage, timm at the start of the next one, so the official
-    `layers.{i}.downsample` becomes `layers.{i+1}.downsample`.
-    """
-    state = {k.removeprefix("module."): v for k, v in state_dict.items()}
-    ignored = []
-    if any(k.startswith("backbone.") for k in state):
-        ignored += [k for k in state if not k.startswith("backbone.")]
-        state = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-    for k in list(state):
-        if k.split(".")[0].startswith("head") or k.endswith((".relative_position_index", ".attn_mask")):
-            ignored.append(k)
-            del state[k]
-    if any(k.startswith("layers.0.downsample.") for k in state):  # the official Swin stage layout
-        state = {re.sub(r"^layers\.(\d+)\.downsample\.", lambda m: f"layers.{int(m[1]) + 1}.downsample.", k): v
-                 for k, v in state.items()}
-    return state, ignored
-
-
-def plain_state_shape(state, window_size, crop):
-    """(window sizes, image size) to rebuild a plain backbone state dict: a ViT's image size from its
-    position table (patch grid x patch), a Swin's windows from its relative-position tables (one
-    per stage; the evaluation crop is taken as its image size). Without a state dict (a random
-    initialisation), `window_size` and the evaluation crop."""
-    state = backbone_state_dict(state)[0] if isinstance(state, dict) else {}
-    if "pos_embed" in state and "patch_embed.proj.weight" in state:
-        n = state["pos_embed"].shape[1] - ("cls_token" in state)
-        return window_size, math.isqrt(n) * state["patch_embed.proj.weight"].shape[-1]
-    tables = sorted((k, v) for k, v in state.items() if k.endswith("blocks.0.attn.relative_position_bias_table"))
-    if tables:
-        return tuple((math.isqrt(v.shape[0]) + 1) // 2 for _, v in tables), crop
-    return window_size, crop
-
-
-def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=16, window_size=7,
-                  random_init=False, crop=224):
-    """A frozen backbone in eval mode whose `model(x)` is the global feature [B, D], and a dict
-    describing it (method, arch, patch_size, window_size).
-
-    `path` is one of: this repository's checkpoint.pth (any method; the architecture comes from its
-    `args`, the network from `checkpoint_key`), a plain backbone state dict (teacher_backbone.pth,
-    a released DINO ViT file; the architecture comes from the arguments), or a released EsViT /
-    GLSD checkpoint (`checkpoint_key` entry with wrapper prefixes and the official Swin layout).
-    With `random_init` the weights are not loaded (the architecture still comes from `path`, if any).
-    """
-    ckpt = None
-    if path:
-        if not Path(path).is_file():
-            common.die(f"--pretrained_weights {path} is not a file")
-        with torch.serialization.safe_globals([argparse.Namespace]):  # in the authors' full checkpoints
-            ckpt = common.load_checkpoint(path)
-    elif not random_init:
-        common.die("give --pretrained_weights (a checkpoint to evaluate) or --random_init (a baseline)")
-    full = isinstance(ckpt, dict) and "args" in ckpt and "method" in ckpt  # written by this repository
-    if full:
-        ckpt_args = ckpt["args"]
-        arch, patch_size = ckpt_args["arch"], ckpt_args.get("patch_size", patch_size)
-        window_size = ckpt_args.get("window_size", window_size)
-    # method: the method of this repository that wrote the checkpoint, or "external" (a plain state
-    # dict, an authors' checkpoint), or "random" (no file)
-    method = ckpt["method"] if full else "random" if ckpt is None else "external"
-    info = {"method": method, "arch": arch, "patch_size": patch_size, "window_size": window_size}
-
-    state = ckpt
-    if isinstance(ckpt, dict) and checkpoint_key in ckpt:
-        state = ckpt[checkpoint_key]
-    elif full or (isinstance(ckpt, dict) and {"teacher", "student"} & set(ckpt)):
-        common.die(f"--checkpoint_key {checkpoint_key!r} is not in {path}; it has: {', '.join(map(str, ckpt))}")
-
-    if info["method"] == "selfpatch":  # image token from the aggregation head, not a backbone CLS token
-        import selfpatch
-        model = selfpatch.build_model(argparse.Namespace(**ckpt["args"]), 0.0)
-        if not random_init:
-            common.load_state_dict_strict(model, state, what=f"selfpatch {checkpoint_key}")
-        model = ImageToken(model)
-    else:
-        if full:     # built as it was trained: global crop size, fitted Swin windows
-            model = common.backbone_from_args(argparse.Namespace(**ckpt_args), 0.0)
-        else:
-            window_size, img_size = plain_state_shape(state, window_size, crop)
-            model = common.build_backbone(arch, patch_size, window_size, 0.0, img_size=img_size)
-        if state is not None and not random_init:
-            state, ignored = backbone_state_dict(state)
-            if ignored:
-                common.log(f"ignored {len(ignored)} checkpoint entries that are not backbone weights: "
-                           f"{', '.join(ignored[:6])}{' ...' if len(ignored) > 6 else ''}")
-            common.load_state_dict_strict(model, state, what=f"{arch} backbone")
-    shape = f"window {window_size}" if common.ARCHS[arch]["family"] == "swin" else f"patch {patch_size}"
-    common.log(f"model: {info['method']} {arch} ({shape}), "
-               f"{'random initialisation' if random_init else f'weights from {path} [{checkpoint_key}]'}")
-    return model.eval().requires_grad_(False), info
 
 
 # ================================================================================================
 # Features, extracted in parallel and gathered by dataset index
 # ================================================================================================
-class IndexedDataset(torch.utils.data.Dataset):
-    """(transform(image), label, index) so that rows computed by any process land at their index."""
-
-    def __init__(self, base, transform):
-        self.base, self.transform = base, transform
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, index):
-        image, label = self.base[index]
-        return self.transform(image), label, index
-
-
-def all_gather_rows(*tensors):
-    """Each tensor's rows from every process, concatenated in rank order (the same on every
-    process). Processes may hold different numbers of rows: they are padded for the exchange."""
-    if not common.is_dist():
-        return tensors
-    count = torch.tensor([len(tensors[0])], device=tensors[0].device)
-    counts = [torch.zeros_like(count) for _ in range(common.get_world_size())]
-    dist.all_gather(counts, count)
-    counts = [int(c) for c in counts]
-    gathered = []
-    for t in tensors:
-        padded = t.new_zeros((max(counts), *t.shape[1:]))
-        padded[:len(t)] = t
-        parts = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(parts, padded)
-        gathered.append(torch.cat([part[:n] for part, n in zip(parts, counts)]))
-    return gathered
-
-
 def bank_device(n_rows, dim, device):
     """Where the train features live: the GPU when they take less than half of its free memory."""
     if device.type != "cuda":
@@ -259,12 +74,12 @@ def bank_device(n_rows, dim, device):
 def extract_features(model, dataset, transform, args, device):
     """l2-normalised features [N, D] and labels [N] in dataset order, on the main process (None on
     the others). Every process computes the rows of its share of the dataset."""
-    loader, _ = common.make_loader(IndexedDataset(dataset, transform), args.batch_size_per_gpu,
+    loader, _ = common.make_loader(common.IndexedDataset(dataset, transform), args.batch_size_per_gpu,
                                    args.num_workers, train=False)
     features = labels = None
     for images, targets, index in common.progress(loader, desc="features"):
         feats = model(images.to(device, non_blocking=True)).float()
-        feats, targets, index = all_gather_rows(feats, targets.to(device), index.to(device))
+        feats, targets, index = common.all_gather_rows(feats, targets.to(device), index.to(device))
         if not common.is_main_process():
             continue
         if features is None:
@@ -318,8 +133,8 @@ def main(args):
         train_features, train_labels, test_features, test_labels = (
             torch.load(folder / name, map_location="cpu", weights_only=True) for name in FEATURE_FILES)
     else:
-        model, _info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                     args.window_size, args.random_init, args.crop)
+        model, _info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
+                                            args.patch_size, args.window_size, args.random_init, args.crop)
         model.to(device)
         transform = common.eval_transform(args.resize, args.crop)
         train_set, test_set = common.build_dataset(args, train=True), common.build_dataset(args, train=False)

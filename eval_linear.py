@@ -40,8 +40,6 @@ import torch.nn.functional as F
 from torchvision import transforms
 
 import common
-from eval_knn import (IndexedDataset, add_eval_data_args, add_eval_run_args, add_weights_args, all_gather_rows,
-                      load_backbone)
 
 
 # ================================================================================================
@@ -50,7 +48,7 @@ from eval_knn import (IndexedDataset, add_eval_data_args, add_eval_run_args, add
 def get_args_parser():
     p = argparse.ArgumentParser("eval_linear.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_weights_args(p)
+    common.add_weights_args(p)
     g = p.add_argument_group("linear probe")
     g.add_argument("--n_last_blocks", default=4, type=int,
                    help="concatenate the features of the last n blocks: 4 for ViT-S (the paper finds 4 "
@@ -63,8 +61,8 @@ def get_args_parser():
                    help="lr at total batch 256 (linear scaling); the paper sweeps it for each model")
     g.add_argument("--val_freq", default=1, type=int, help="validate every N epochs (and after the last)")
     g.add_argument("--num_labels", default=None, type=int, help="number of classes (default: from the dataset)")
-    add_eval_data_args(p)
-    g = add_eval_run_args(p)
+    common.add_eval_data_args(p)
+    g = common.add_eval_run_args(p)
     g.add_argument("--output_dir", default=".", type=str,
                    help="log.txt and linear_checkpoint.pth; a run resumes from here")
     g.add_argument("--max_steps_per_epoch", default=0, type=int,
@@ -182,7 +180,7 @@ def validate(model, classifier, loader, n_images, num_labels, args, device):
         ranked = logits.topk(min(5, num_labels), dim=1).indices == labels[:, None]
         rows = torch.stack([F.cross_entropy(logits, labels, reduction="none"),
                             ranked[:, 0].float(), ranked.any(dim=1).float()], dim=1)
-        rows, index = all_gather_rows(rows, index)
+        rows, index = common.all_gather_rows(rows, index)
         per_image[index] = rows  # the distributed sampler's padding rows repeat real images
     loss, top1, top5 = per_image.mean(dim=0).tolist()
     return {"val_loss": loss, "val_top1": 100 * top1, **({"val_top5": 100 * top5} if num_labels >= 5 else {})}
@@ -211,8 +209,8 @@ def main(args):
     common.save_args(args)
 
     # ---- frozen backbone; the linear probe's input size from one dry run
-    model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                args.window_size, args.random_init, args.crop)
+    model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
+                                       args.window_size, args.random_init, args.crop)
     model.to(device)
     check_feature_args(model, args)
     with torch.no_grad():
@@ -225,7 +223,7 @@ def main(args):
     train_data = common.SeededDataset(train_set, train_transform(args.crop), seed=args.seed)
     train_loader, sampler = common.make_loader(train_data, args.batch_size_per_gpu, args.num_workers,
                                                train=True, seed=args.seed)
-    val_loader, _ = common.make_loader(IndexedDataset(val_set, common.eval_transform(args.resize, args.crop)),
+    val_loader, _ = common.make_loader(common.IndexedDataset(val_set, common.eval_transform(args.resize, args.crop)),
                                        args.batch_size_per_gpu, args.num_workers, train=False)
     common.log(f"data: {len(train_set)} train and {len(val_set)} val images, {num_labels} classes; "
                f"linear probe on {dim}-dimensional features")
@@ -247,7 +245,6 @@ def main(args):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        train_data.set_epoch(epoch)
         for group in optimizer.param_groups:
             group["lr"] = float(lr_schedule[epoch])
         record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, args, device)

@@ -65,10 +65,7 @@ Recipes (supplementary A):
         --local_crops_number 2 --out_dim 4096 --patch_out_dim 4096
 """
 import argparse
-import math
-import sys
 import time
-from collections import OrderedDict
 from functools import lru_cache, partial
 from pathlib import Path
 
@@ -77,7 +74,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-import eval_correspondence
 
 
 # ================================================================================================
@@ -129,7 +125,7 @@ def get_args_parser():
 
     common.add_multicrop_args(p, global_crops_scale=(0.25, 1.0), local_crops_scale=(0.05, 0.25))
     common.add_data_args(p)
-    eval_correspondence.add_monitor_args(common.add_run_args(p, saveckp_freq=10))
+    common.add_monitor_args(common.add_run_args(p, saveckp_freq=10))
     return p
 
 
@@ -233,54 +229,12 @@ def select_positives(tokens, neighbors, valid, k):
 # ================================================================================================
 # Model: ViT without CLS token + aggregation module + image and patch heads over all crops
 # ================================================================================================
-class ClassAttentionBlock(nn.Module):
-    """CaiT's class-attention block without LayerScale: the query attends over [query; tokens] (itself
-    included) and only the query is updated; the tokens pass through unchanged."""
-
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, eps=1e-6):
-        super().__init__()
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = nn.ModuleDict({name: nn.Linear(dim, dim) for name in ("q", "k", "v", "proj")})
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
-        hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim)))
-
-    def split_heads(self, x):                                    # [M, L, C] -> [M, heads, L, C / heads]
-        return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-
-    def forward(self, query, tokens):
-        """query [M, 1, C], tokens [M, T, C] -> the updated query [M, 1, C]."""
-        u = self.norm1(torch.cat([query, tokens], dim=1))              # keys and values: query included
-        q = self.split_heads(self.attn["q"](u[:, :1]))
-        k, v = self.split_heads(self.attn["k"](u)), self.split_heads(self.attn["v"](u))
-        attn = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(dim=-1)   # [M, heads, 1, 1 + T]
-        query = query + self.attn["proj"]((attn @ v).transpose(1, 2).flatten(2))
-        return query + self.mlp(self.norm2(query))
-
-
-class AggregationModule(nn.Module):
-    """A learned query, two class-attention blocks and a final LayerNorm (the authors' `SelfPatchHead`).
-    Summarises a set of tokens into one: all patches of an image (the image token), or the
-    positives of one patch."""
-
-    def __init__(self, dim, num_heads, num_blocks=2):
-        super().__init__()
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))       # the learned query (authors' name)
-        self.cls_blocks = nn.ModuleList(ClassAttentionBlock(dim, num_heads) for _ in range(num_blocks))
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-
-    def summarize(self, tokens):
-        """tokens [M, T, C] -> [M, C], before the final LayerNorm."""
-        query = self.cls_token.expand(len(tokens), -1, -1)
-        for block in self.cls_blocks:
-            query = block(query, tokens)
-        return query[:, 0]
+class AggregationModule(common.ClassAttentionPool):
+    """A learned query, two class-attention blocks (CaiT's, without LayerScale; on timm's `ClassAttn`)
+    and a final LayerNorm: the authors' `SelfPatchHead`, with their key names. Summarises a set of
+    tokens into one: all patches of an image (the image token), or the positives of one patch.
+    The architecture is in common.py, because evaluation rebuilds the image token from a checkpoint
+    (`common.load_backbone`); what training adds, the patch outputs, is here."""
 
     def forward(self, tokens, positives=None):
         """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs are the
@@ -326,12 +280,6 @@ class SelfPatch(nn.Module):
                        f"--neighbors_wrap {str(self.neighbors_wrap).lower()}: lower --k_num, or use {fix}")
         return select_positives(grid.flatten(1, 2), neighbors.to(grid.device), valid.to(grid.device), self.k_num)
 
-    def image_features(self, images):
-        """[B, D] image token for evaluation (k-NN, linear): the aggregation module's summary of all
-        patches after its final LayerNorm, before the heads."""
-        _, grid = self.backbone.forward_dense(images, norm=False)
-        return self.ca_head.norm(self.ca_head.summarize(grid.flatten(1, 2)))
-
 
 def build_model(args, drop_path_rate):
     if common.ARCHS.get(args.arch, {}).get("family") != "vit":
@@ -370,7 +318,9 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, epoch)  # float32: outside autocast
         loss = losses["loss"]
-        stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args)
+        common.stop_if_not_finite(loss, epoch, args, lambda: {
+            "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
+            "optimizer": optimizer.state_dict(), "selfpatch_loss": criterion.state_dict()})
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -403,23 +353,6 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
     return record
 
 
-def stop_if_not_finite(loss, student, teacher, optimizer, criterion, epoch, args):
-    """On a non-finite loss (in any process), save a debug checkpoint and stop with advice."""
-    bad = common.all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
-    if bad.item() == 0:
-        return
-    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
-    state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
-             "optimizer": optimizer.state_dict(), "selfpatch_loss": criterion.state_dict(), "epoch": epoch,
-             "args": vars(args)}
-    if common.is_main_process():
-        common.save_checkpoint(state, path)
-    common.log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
-               f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
-               f"gradients. Try --precision fp32, a lower --lr, or --clip_grad 3.0 (or lower).")
-    sys.exit(1)
-
-
 # ================================================================================================
 # main
 # ================================================================================================
@@ -443,7 +376,7 @@ def main(args):
     teacher = build_model(args, 0.0).to(device)
     teacher.load_state_dict(student.state_dict())
     teacher.requires_grad_(False)
-    monitor = eval_correspondence.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
+    monitor = common.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
     if common.is_dist():
         if args.use_bn_in_head:
             student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
@@ -479,7 +412,6 @@ def main(args):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        dataset.set_epoch(epoch)
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
@@ -502,7 +434,8 @@ def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
     state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
              "selfpatch_loss": criterion.state_dict(), "epoch": epoch, "step": step, "args": vars(args),
-             "method": "selfpatch", "rng": common.all_gather_objects(common.rng_state())}
+             "method": "selfpatch", "backbone": common.backbone_record(teacher.backbone, image_token="ca_head"),
+             "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)

@@ -403,8 +403,8 @@ class SelfDistillationStep:
             losses = self.criterion(student_output, teacher_output, self.epoch, self.geometry)
         else:
             losses = self.criterion(student_output, teacher_output, self.epoch)
-        self.module.stop_if_not_finite(losses["loss"], self.student, self.teacher, self.optimizer, self.criterion,
-                                       self.epoch, a)
+        common.stop_if_not_finite(losses["loss"], self.epoch, a, lambda: {
+            "student": self.student.state_dict(), "teacher": self.teacher.state_dict()})
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(losses["loss"]).backward()
         return losses
@@ -479,7 +479,7 @@ class DRLocStep:
         with common.autocast(self.device, a.precision):
             outputs = self.model(images, generator=drloc.pair_generator(a.seed, self.epoch, self.it))
             losses = self.criterion(outputs, labels, self.lambda_drloc)
-        drloc.stop_if_not_finite(losses["loss"], self.model, self.optimizer, self.criterion, self.epoch, a)
+        common.stop_if_not_finite(losses["loss"], self.epoch, a, lambda: {"model": self.model.state_dict()})
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(losses["loss"]).backward()
         self.it += 1

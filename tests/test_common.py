@@ -626,6 +626,23 @@ def test_seeded_dataset_seeds_python_numpy_torch_alike_in_workers_and_main_proce
     assert len(set(main[:, 0].tolist())) == 4
 
 
+def test_persistent_workers_see_every_epoch():
+    """make_loader keeps its workers across epochs; they never see a later `set_epoch` of their copy of
+    the dataset, so the epoch travels with each index: epoch by epoch, two persistent workers give the
+    samples of the main process (with the dataset's own epoch never set), and each epoch its own draws."""
+    ds = common.SeededDataset([(None, 0)] * 8, draws_of_all_three_generators, seed=3)
+    loaders = {n: common.make_loader(ds, 2, n, train=True, seed=5) for n in (0, 2)}
+    assert loaders[2][0].persistent_workers and not loaders[0][0].persistent_workers
+    epochs = {n: [] for n in loaders}
+    for epoch in range(3):
+        for n, (loader, sampler) in loaders.items():
+            sampler.set_epoch(epoch)
+            epochs[n].append(torch.cat([draws for draws, _label in loader]))
+    for with_workers, in_main in zip(epochs[2], epochs[0]):
+        assert torch.equal(with_workers, in_main)
+    assert ds.epoch == 0 and len({tuple(e[:, 2].sort().values.tolist()) for e in epochs[2]}) == 3  # new draws
+
+
 def test_sample_seed_distinct_and_stable():
     seeds = {common.sample_seed(0, e, i) for e in range(3) for i in range(100)}
     assert len(seeds) == 300

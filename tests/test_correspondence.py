@@ -1,4 +1,4 @@
-"""eval_correspondence.py and visualize.py: the ground-truth mapping of the three protocols on
+"""extras/eval_correspondence.py, extras/visualize.py and common.py's correspondence section: the ground-truth mapping of the three protocols on
 hand-made geometries, a backbone that reads its tokens' positions from the pixels (perfect scores)
 and a constant one (chance), both scripts end to end on `synthetic` (one process and two), and the
 per-epoch monitor on tiny backbones, SelfPatch's CLS-free ViT included."""
@@ -18,9 +18,10 @@ from PIL import Image
 from torchvision.io import decode_png, read_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "extras")]
 import common  # noqa: E402
 import eval_correspondence as ec  # noqa: E402
+import glsd  # noqa: E402
 import visualize  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -42,7 +43,7 @@ def geometry(*crops, image_size=(64.0, 48.0)):
 def test_flip_maps_column_to_its_mirror(grid):
     h, w = grid
     box = (0.1, 0.2, 0.7, 0.6)
-    target, valid = ec.ground_truth(geometry((*box, False), (*box, True)), geometry((*box, True), (*box, False)),
+    target, valid = common.ground_truth(geometry((*box, False), (*box, True)), geometry((*box, True), (*box, False)),
                                     grid, grid)
     rows, cols = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)
     assert valid.all()
@@ -51,13 +52,13 @@ def test_flip_maps_column_to_its_mirror(grid):
 
 def test_identical_crops_map_to_themselves():
     crops = [(0.0, 0.0, 1.0, 1.0, False), (0.13, 0.31, 0.55, 0.42, True), (0.5, 0.1, 0.37, 0.9, False)]
-    target, valid = ec.ground_truth(geometry(*crops), geometry(*crops), (7, 7), (7, 7))
+    target, valid = common.ground_truth(geometry(*crops), geometry(*crops), (7, 7), (7, 7))
     assert valid.all() and torch.equal(target, torch.arange(49).expand(3, -1))
 
 
 def test_overlap_mask_and_nearest_token():
     # view 1: the whole image (4x4 tokens); view 2: its right half, mirrored (4x2 tokens)
-    target, valid = ec.ground_truth(geometry((0, 0, 1, 1, False)), geometry((0.5, 0, 0.5, 1, True)), (4, 4), (4, 2))
+    target, valid = common.ground_truth(geometry((0, 0, 1, 1, False)), geometry((0.5, 0, 0.5, 1, True)), (4, 4), (4, 2))
     cols = torch.arange(4).repeat(4)
     assert torch.equal(valid[0], cols >= 2)                          # only the right half overlaps
     rows = torch.arange(4).repeat_interleave(4)
@@ -71,7 +72,7 @@ def test_overlap_mask_and_nearest_token():
     crops = [(float(a), float(b), float(c), float(d), bool(f)) for a, b, c, d, f in
              zip(x0, y0, w, h, torch.rand(20, generator=g) < 0.5)]
     g1, g2 = geometry(*crops[:10]), geometry(*crops[10:])
-    target, valid = ec.ground_truth(g1, g2, (5, 6), (4, 3))
+    target, valid = common.ground_truth(g1, g2, (5, 6), (4, 3))
     c1, c2 = common.grid_centers(g1, (5, 6)), common.grid_centers(g2, (4, 3))
     nearest = torch.cdist(c1.double(), c2.double()).argmin(-1)
     assert torch.equal(target[valid], nearest[valid]) and 0 < valid.float().mean() < 1
@@ -114,7 +115,7 @@ class ConstantBackbone(nn.Module):
 
 
 def run_protocol(backbone, protocol, images, photometric=False):
-    pairs = ec.PairDataset(images, ec.PairViews(protocol, 64, photometric=photometric), seed=3)
+    pairs = common.PairDataset(images, common.PairViews(protocol, 64, photometric=photometric), seed=3)
     return ec.evaluate(backbone, pairs, batch_size=4, num_workers=0, device=torch.device("cpu"), name=protocol)
 
 
@@ -153,7 +154,7 @@ def parse_results(stdout):
 def test_eval_correspondence_end_to_end(tmp_path):
     """Two processes (torchrun, gloo) score the same pairs as one, and write the pictures."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "eval_correspondence.py", *TINY, "--save_pictures", str(tmp_path), "--num_pictures", "3"]
+           "extras/eval_correspondence.py", *TINY, "--save_pictures", str(tmp_path), "--num_pictures", "3"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = parse_results(proc.stdout)
@@ -187,6 +188,27 @@ def test_visualize_attention_and_matchings(tmp_path):
         visualize.cls_attention(common.build_backbone("swin_pico"), torch.zeros(3, 64, 64))
 
 
+def test_visualized_matchings_are_glsds():
+    """extras/visualize.py draws the matchings of a GLSD step without importing glsd.py: its
+    similarity and geometric matches (with GLSD's keep rule) equal glsd.py's on random crops."""
+    torch.manual_seed(0)
+    augment = common.MultiCropAugmentation((0.4, 1.0), (0.05, 0.4), 2, 64, 32)
+    image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (60, 90, 3), dtype=np.uint8))
+    for _ in range(5):
+        _, geometry = augment(image)
+        for student_crop, s_hw in ((1, (4, 4)), (2, (2, 2))):
+            s_tokens, t_tokens = torch.randn(s_hw[0] * s_hw[1], 8), torch.randn(16, 8)
+            similar = glsd.GLSDLoss.match_similarity(s_tokens[None, None], t_tokens[None, None])[0, 0, 0]
+            assert torch.equal(visualize.similarity_matches(s_tokens, t_tokens), similar)
+
+            def place(g, hw):
+                return glsd.token_geometry([{k: v[None] for k, v in g.items()}], hw, 1)
+            nearest, kept = glsd.GLSDLoss.match_geometric(place(geometry[student_crop], s_hw),
+                                                          place(geometry[0], (4, 4)))
+            mine, mine_kept = visualize.geometric_matches(geometry[student_crop], s_hw, geometry[0], (4, 4))
+            assert torch.equal(mine, nearest[0, 0, 0]) and torch.equal(mine_kept, kept[0, 0, 0])
+
+
 def test_attention_weights_and_mass_threshold():
     """The recomputed CLS attention equals timm's unfused attention weights; the mask keeps the
     fewest largest patches holding 60% of each head's mass."""
@@ -211,15 +233,16 @@ def test_monitor_on_tiny_backbones():
     args = argparse.Namespace(dataset="synthetic", data_path=None, synthetic_images=40, synthetic_image_size=32,
                               synthetic_seed=0, arch="vit_pico", patch_size=8, global_crop_size=36,
                               global_crops_scale=(0.4, 1.0), seed=0, monitor_correspondence=4)
-    monitor = ec.CorrespondenceMonitor.from_args(args)
-    assert {k: v[0].shape for k, v in monitor.pairs.items()} == {p: (4, 3, 32, 32) for p in ec.PROTOCOLS}
+    monitor = common.CorrespondenceMonitor.from_args(args)
+    PROTOCOLS = common.CORRESPONDENCE_PROTOCOLS
+    assert {k: v[0].shape for k, v in monitor.pairs.items()} == {p: (4, 3, 32, 32) for p in PROTOCOLS}
     torch.manual_seed(0)
     for backbone in (common.build_backbone("vit_pico", 8), common.build_backbone("vit_pico", 8, class_token=False,
                                                                                  final_norm=False)):
         backbone.train()
         out = monitor(backbone)
         assert backbone.training                                  # training mode restored
-        assert set(out) == {f"corr_{p}_{k}" for p in ec.PROTOCOLS for k in ("accuracy", "top10_accuracy", "distance")}
-        assert all(0 <= out[f"corr_{p}_accuracy"] <= 100 for p in ec.PROTOCOLS)
-        assert out == ec.CorrespondenceMonitor.from_args(args)(backbone)   # fixed pairs, no dropout
+        assert set(out) == {f"corr_{p}_{k}" for p in PROTOCOLS for k in ("accuracy", "top10_accuracy", "distance")}
+        assert all(0 <= out[f"corr_{p}_accuracy"] <= 100 for p in PROTOCOLS)
+        assert out == common.CorrespondenceMonitor.from_args(args)(backbone)   # fixed pairs, no dropout
     assert monitor(ConstantBackbone())["corr_esvit_accuracy"] == pytest.approx(100 / 16)   # chance, 4x4 tokens

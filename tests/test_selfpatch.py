@@ -5,7 +5,6 @@ Reference cases: tests/data/selfpatch_*.pt hold small cases computed by running 
 official ViT), copied from the project's reference file selfpatch.pt (see the "source" entry of
 each file). The other tests restate the method naively, with loops, on random inputs.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -126,7 +125,7 @@ def test_too_few_candidates_is_a_clear_error():
 # ------------------------------------------------------------------------------------------------
 def test_class_attention_block_against_naive_statement():
     torch.manual_seed(0)
-    block = sp.ClassAttentionBlock(8, num_heads=2)
+    block = common.ClassAttentionBlock(8, num_heads=2)
     query, tokens = torch.randn(3, 1, 8), torch.randn(3, 5, 8)
     out = block(query, tokens)
     assert out.shape == (3, 1, 8)
@@ -136,14 +135,14 @@ def test_class_attention_block_against_naive_statement():
         for m in range(3):
             keys = torch.cat([query[m], tokens[m]]) if query_among_keys else tokens[m]
             u = block.norm1(keys)
-            q = block.attn["q"](block.norm1(query[m]))[0]
-            k, v = block.attn["k"](u), block.attn["v"](u)
+            q = block.attn.q(block.norm1(query[m]))[0]
+            k, v = block.attn.k(u), block.attn.v(u)
             heads = []
             for head in range(2):
                 part = slice(4 * head, 4 * head + 4)
                 weights = torch.softmax(k[:, part] @ q[part] / 4 ** 0.5, dim=0)
                 heads.append(weights @ v[:, part])
-            x = query[m, 0] + block.attn["proj"](torch.cat(heads))
+            x = query[m, 0] + block.attn.proj(torch.cat(heads))
             result[m, 0] = x + block.mlp(block.norm2(x))
         return result
 
@@ -351,17 +350,14 @@ def test_backbone_matches_authors_on_a_local_crop():
     torch.testing.assert_close(grid.flatten(1, 2), ref["local_out"], atol=1e-5, rtol=1e-4)
 
 
-def test_image_features_contract():
-    """What eval_knn.py / eval_linear.py rely on: build_model(Namespace(**ckpt['args']), 0.0),
-    load_state_dict(ckpt['teacher']), image_features(x) -> [B, D], the image token before the heads."""
+def test_image_token_for_evaluation():
+    """What eval_knn.py / eval_linear.py get from common.load_backbone: a PooledViT over the model's
+    backbone and aggregation module, whose output is the image token the image head sees in training."""
     torch.manual_seed(0)
-    trained = sp.build_model(tiny_args(), 0.0)
-    model = sp.build_model(argparse.Namespace(**vars(tiny_args())), 0.0)
-    model.load_state_dict(trained.state_dict())
-    model.eval()
+    model = sp.build_model(tiny_args(), 0.0).eval()
     x = torch.randn(2, 3, 40, 32)
     with torch.no_grad():
-        feats = model.image_features(x)
+        feats = common.PooledViT(model.backbone, model.ca_head)(x)
         image_logits, _ = model([x])
     assert feats.shape == (2, 64)
     torch.testing.assert_close(model.c_head(feats), image_logits)

@@ -1,8 +1,8 @@
-"""Pictures of what local features learn, as PNG files (torchvision's drawing utilities, plus two
-small pixel routines for coloured lines and digits; no plotting library):
+"""Pictures of what local features learn, as PNG files (torchvision's image grids and masks, and
+Pillow's ImageDraw for lines, dots and numbers; no plotting library):
 
     matches     two views side by side, the top-10 most similar token matches as numbered lines
-                (EsViT Fig. 6/9); written by `eval_correspondence.py --save_pictures DIR`
+                (EsViT Fig. 6/9); written by `extras/eval_correspondence.py --save_pictures DIR`
     attention   the last ViT block's attention of the CLS query, per head, and the smallest set of
                 patches holding 60% of its mass (DINO Fig. 3, EsViT Fig. 7)
     matchings   the token matchings of one training step on one image, teacher crop left, student
@@ -10,28 +10,29 @@ small pixel routines for coloured lines and digits; no plotting library):
                 backbone similarity (EsViT, GLSD's Similarity), bottom row by geometry (GLSD's
                 Geometric; rejected matches are not drawn) (GLSD Fig. 3 and 8-11)
 
-    python visualize.py attention --pretrained_weights runs/dino/checkpoint.pth --image photo.jpg --output attention.png
-    python visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth --dataset synthetic \
+    python extras/visualize.py attention --pretrained_weights runs/dino/checkpoint.pth --image photo.jpg --output attention.png
+    python extras/visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth --dataset synthetic \
         --synthetic_image_size 64 --global_crop_size 64 --local_crop_size 32 --output matchings.png
 
 The 60% threshold: per head, sort the patches by attention, keep the largest ones until their sum
 reaches 60% of the total (the patch that crosses the line is kept), as DINO's visualisation does.
 """
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from PIL import ImageDraw
 from torchvision.io import write_png
-from torchvision.utils import draw_keypoints, draw_segmentation_masks, make_grid
+from torchvision.transforms.functional import pil_to_tensor, to_pil_image
+from torchvision.utils import draw_segmentation_masks, make_grid
 
-import common
-import eval_knn
-import glsd
+# Run as `python extras/visualize.py` from anywhere: the project's modules sit one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
-DIGITS = ["111101101101111", "010110010010111", "111001111100111", "111001111001111", "101101111001001",
-          "111100111001111", "111100111101111", "111001001001001", "111101111101111", "111101111001111"]  # 3x5 bitmaps
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
            (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (170, 110, 40)]
 
@@ -55,47 +56,24 @@ def token_xy(index, grid, size, x_offset=0):
     return torch.stack([(index % w + 0.5) * size / w + x_offset, (index // w + 0.5) * size / h], -1).float()
 
 
-def draw_line(canvas, start, end, colour, width=1):
-    """Rasterise a straight segment in place (torchvision's draw_keypoints draws its lines in white)."""
-    steps = int(2 * max(abs(end[0] - start[0]), abs(end[1] - start[1]))) + 2
-    t = torch.linspace(0, 1, steps)
-    xs, ys = start[0] + t * (end[0] - start[0]), start[1] + t * (end[1] - start[1])
-    colour = torch.tensor(colour, dtype=torch.uint8)[:, None]
-    for dx in range(-(width // 2), width - width // 2):
-        for dy in range(-(width // 2), width - width // 2):
-            x = (xs + dx).round().long().clamp(0, canvas.shape[2] - 1)
-            y = (ys + dy).round().long().clamp(0, canvas.shape[1] - 1)
-            canvas[:, y, x] = colour
-
-
 def side_by_side(left, right, gap):
     canvas = torch.full((3, left.shape[1], left.shape[2] + gap + right.shape[2]), 255, dtype=torch.uint8)
     canvas[:, :, :left.shape[2]], canvas[:, :, left.shape[2] + gap:] = left, right
     return canvas
 
 
-def draw_number(canvas, number, x, y, colour, scale=2):
-    """Write the digits of `number` in place, top-left corner at (x, y), in a 3x5 pixel font scaled
-    by `scale`, outlined in black so that it reads on any background."""
-    glyphs = [torch.tensor([int(b) for b in DIGITS[int(d)]]).view(5, 3) for d in str(number)]
-    mask = torch.cat([torch.cat([g, torch.zeros(5, 1, dtype=g.dtype)], 1) for g in glyphs], 1)[:, :-1].float()
-    mask = mask.repeat_interleave(scale, 0).repeat_interleave(scale, 1)
-    outline = F.max_pool2d(F.pad(mask, (1, 1, 1, 1))[None], 3, stride=1, padding=1)[0]
-    x, y = int(x) - 1, int(y) - 1                                          # the outline's corner
-    h, w = min(outline.shape[0], canvas.shape[1] - y), min(outline.shape[1], canvas.shape[2] - x)
-    if x < 0 or y < 0 or h <= 0 or w <= 0:
-        return
-    region = canvas[:, y:y + h, x:x + w]
-    region[:, outline[:h, :w] > 0] = 0
-    region[:, F.pad(mask, (1, 1, 1, 1))[:h, :w] > 0] = torch.tensor(colour, dtype=torch.uint8)[:, None]
-
-
-def draw_links(canvas, starts, ends, colours, width=1, radius=2):
-    """Lines starts[i] -> ends[i] with a dot at both ends, each in colours[i]."""
-    for start, end, colour in zip(starts.tolist(), ends.tolist(), colours):
-        draw_line(canvas, start, end, colour, width)
-        canvas = draw_keypoints(canvas, torch.tensor([[start, end]]), colors=colour, radius=radius)
-    return canvas
+def draw_links(canvas, starts, ends, colours, width=1, radius=2, labels=None):
+    """Lines starts[i] -> ends[i] with a dot at both ends, each in colours[i]; with `labels`, labels[i]
+    written next to starts[i], outlined in black so that it reads on any background."""
+    picture = to_pil_image(canvas)
+    draw = ImageDraw.Draw(picture)
+    for i, (start, end, colour) in enumerate(zip(starts.tolist(), ends.tolist(), colours)):
+        draw.line([tuple(start), tuple(end)], fill=colour, width=width)
+        for x, y in (start, end):
+            draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=colour)
+        if labels is not None:
+            draw.text((start[0] - 14, start[1] - 16), str(labels[i]), fill=colour, stroke_width=1, stroke_fill="black")
+    return pil_to_tensor(picture)
 
 
 def save_top_matches(path, view1, view2, prediction, score, target, valid, grid, top=10, size=224, gap=16):
@@ -106,9 +84,8 @@ def save_top_matches(path, view1, view2, prediction, score, target, valid, grid,
     starts = token_xy(ranked, grid, size)
     ends = token_xy(prediction.cpu()[ranked], grid, size, x_offset=size + gap)
     colours = [GREEN if ok else RED for ok in (prediction.cpu()[ranked] == target.cpu()[ranked]).tolist()]
-    canvas = draw_links(side_by_side(to_uint8(view1, size), to_uint8(view2, size), gap), starts, ends, colours, 2, 3)
-    for rank, ((x, y), colour) in enumerate(zip(starts.tolist(), colours)):
-        draw_number(canvas, rank + 1, x - 14, y - 14, colour)
+    canvas = draw_links(side_by_side(to_uint8(view1, size), to_uint8(view2, size), gap), starts, ends, colours, 2, 3,
+                        labels=range(1, len(ranked) + 1))
     write_png(canvas, str(path))
 
 
@@ -168,6 +145,28 @@ def attention_picture(vit, view, mass=0.6, size=224):
 # ================================================================================================
 # The matchings of one training step (EsViT / GLSD)
 # ================================================================================================
+def similarity_matches(student_tokens, teacher_tokens):
+    """For every student token [T_s, D], the teacher token [T_t, D] of highest cosine similarity of the
+    backbone tokens (EsViT's matching, GLSD's Similarity setting)."""
+    return (F.normalize(student_tokens, dim=-1) @ F.normalize(teacher_tokens, dim=-1).T).argmax(dim=-1)
+
+
+def geometric_matches(student_geometry, student_grid, teacher_geometry, teacher_grid):
+    """For every student token, the teacher token whose centre is nearest in the original image, and
+    whether the squared distance is below the larger squared half-diagonal of a token cell of the two
+    crops: GLSD's Geometric setting, written again here because no script imports a method file
+    (tests/test_correspondence.py checks that it equals glsd.py's)."""
+    def centres(geometry, grid):  # [T, 2] and the squared half-diagonal of a cell, original pixels
+        geometry = {k: v[None] for k, v in geometry.items()}
+        cell = geometry["box"][0, 2:].float() * geometry["image_size"][0].float() / torch.tensor(
+            [grid[1], grid[0]], device=geometry["box"].device)
+        return common.grid_centers(geometry, grid)[0], (cell / 2).pow(2).sum()
+
+    (s_xy, s_hd2), (t_xy, t_hd2) = centres(student_geometry, student_grid), centres(teacher_geometry, teacher_grid)
+    dist2, match = (t_xy[None] - s_xy[:, None]).pow(2).sum(-1).min(dim=-1)
+    return match, dist2 < torch.maximum(s_hd2, t_hd2)
+
+
 @torch.no_grad()
 def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=224, gap=16):
     """Teacher crop 0 (left) and student crop `student_crop` (right); every student token linked
@@ -177,13 +176,8 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
     _, t_grid = teacher.forward_dense(t_view[None])
     _, s_grid = student.forward_dense(s_view[None])
     t_hw, s_hw = tuple(t_grid.shape[1:3]), tuple(s_grid.shape[1:3])
-    similar = glsd.GLSDLoss.match_similarity(s_grid.flatten(1, 2)[None], t_grid.flatten(1, 2)[None])[0, 0, 0]
-
-    def place(g, hw):  # token centres and half-diagonals of one crop, as glsd.py computes them
-        return glsd.token_geometry([{k: v[None] for k, v in g.items()}], hw, 1)
-
-    nearest, kept = glsd.GLSDLoss.match_geometric(place(geometry[student_crop], s_hw), place(geometry[0], t_hw))
-    nearest, kept = nearest[0, 0, 0], kept[0, 0, 0]
+    similar = similarity_matches(s_grid.flatten(0, 2), t_grid.flatten(0, 2))
+    nearest, kept = geometric_matches(geometry[student_crop], s_hw, geometry[0], t_hw)
     rows = []
     student_tokens = torch.arange(s_hw[0] * s_hw[1])
     for match, keep in ((similar, torch.ones_like(kept)), (nearest, kept)):
@@ -205,7 +199,7 @@ def get_args_parser():
     for name, help_text in (("attention", "per-head CLS attention of the last ViT block"),
                             ("matchings", "token matchings of one EsViT / GLSD training step")):
         c = commands.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        eval_knn.add_weights_args(c)
+        common.add_weights_args(c)
         g = c.add_argument_group("image")
         g.add_argument("--image", default=None, type=str, help="an image file (else image --index of --dataset)")
         g.add_argument("--index", default=0, type=int, help="which image of the dataset split")
@@ -241,17 +235,16 @@ def main(args):
     common.fix_random_seeds(args.seed)
     image = load_image(args)
     def load(key):
-        return eval_knn.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
-                                      args.random_init)
+        return common.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
+                                    args.random_init, getattr(args, "image_size", None) or args.global_crop_size)
 
     model, info = load(args.checkpoint_key)
-    import eval_correspondence  # here: eval_correspondence imports this module
-    backbone = eval_correspondence.dense_backbone(model).to(device)
+    backbone = common.dense_backbone(model).to(device)
     if args.picture == "attention":
         view = common.eval_transform(args.image_size, args.image_size)(image).to(device)
         picture = attention_picture(backbone, view, args.threshold, args.picture_size)
     else:
-        stride = eval_correspondence.token_stride(info["arch"], info["patch_size"])
+        stride = common.token_stride(info["arch"], info["patch_size"])
         for flag in ("global_crop_size", "local_crop_size"):
             if getattr(args, flag) % stride:
                 common.die(f"--{flag} {getattr(args, flag)} is not a multiple of the token stride ({stride} px)")
@@ -259,7 +252,7 @@ def main(args):
             common.die(f"--student_crop {args.student_crop}: choose 1 (the other global crop) to "
                        f"{1 + args.local_crops_number} (the local crops)")
         same = args.random_init or info["method"] in ("random", "external")  # one network: teacher = student
-        student = eval_correspondence.dense_backbone(model if same else load("student")[0]).to(device)
+        student = common.dense_backbone(model if same else load("student")[0]).to(device)
         augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
                                                args.global_crop_size, args.local_crop_size)
         with torch.random.fork_rng(devices=[]):

@@ -1,0 +1,95 @@
+"""The repository's layers, read from the code's own imports (`ast`, nothing is executed):
+
+    common.py                                      imports no project module
+    dino esvit glsd selfpatch drloc, eval_knn eval_linear    import only common
+    extras/                                        import common, the evaluation scripts and each other;
+                                                   nothing outside extras/ imports them
+
+no import circles, and the top level is exactly the design card's."""
+import ast
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = {"dino", "esvit", "glsd", "selfpatch", "drloc"}
+EVALUATION = {"eval_knn", "eval_linear"}
+CARD = {"README.md", "requirements.txt", "common.py", *(f"{m}.py" for m in METHODS | EVALUATION), "tests"}
+ALSO_ALLOWED = {"docs", "extras"}  # the README's pictures, the extras folder (and dot-files: .pytest.ini, .ci/)
+
+
+def imported_modules(path):
+    """Top-level names of every module `path` imports, wherever the import statement stands."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def project_graph():
+    """{module: project modules it imports} over the top-level files and extras/."""
+    files = {p.stem: p for p in [*ROOT.glob("*.py"), *(ROOT / "extras").glob("*.py")]}
+    return {name: imported_modules(path) & set(files) for name, path in files.items()}
+
+
+def find_cycle(graph):
+    """One import circle as a list of modules, or None (depth-first search)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circles():
+    graph = project_graph()
+    assert {"common", *METHODS, *EVALUATION, "eval_correspondence", "visualize"} <= set(graph)
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_find_cycle_sees_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_layers():
+    graph = project_graph()
+    assert graph["common"] == set(), "common.py imports a project module"
+    for name in METHODS | EVALUATION:
+        assert graph[name] <= {"common"}, f"{name}.py imports {sorted(graph[name] - {'common'})}"
+    extras = {p.stem for p in (ROOT / "extras").glob("*.py")}
+    for name in extras:
+        assert graph[name] <= {"common"} | EVALUATION | extras, f"extras/{name}.py imports {sorted(graph[name])}"
+    for name in set(graph) - extras:
+        assert not graph[name] & extras, f"{name}.py imports the extras {sorted(graph[name] & extras)}"
+
+
+@pytest.mark.parametrize("source, expected", [("import a.b, c\nfrom d.e import f\nfrom . import g\n", {"a", "c", "d"}),
+                                              ("def f():\n    import late\n", {"late"})])
+def test_imported_modules(tmp_path, source, expected):
+    (tmp_path / "m.py").write_text(source)
+    assert imported_modules(tmp_path / "m.py") == expected
+
+
+def test_top_level_is_the_design_card():
+    ignored = [line.strip().rstrip("/") for line in (ROOT / ".gitignore").read_text().splitlines() if line.strip()]
+    top = {p.name for p in ROOT.iterdir()
+           if not p.name.startswith(".") and not any(fnmatch.fnmatch(p.name, pattern) for pattern in ignored)}
+    assert top == CARD | ALSO_ALLOWED, f"unexpected: {sorted(top - CARD - ALSO_ALLOWED)}, missing: {sorted(CARD - top)}"
