@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dino  # noqa: E402
+import esvit  # noqa: E402
 
 DATA = ROOT / "tests/data"
 LOSS_TOL = dict(rtol=2e-5, atol=2e-5)
@@ -59,10 +60,11 @@ class Recorder:
     the EMA momentum (a wrapper around common.update_teacher), and tracked tensors of student and
     teacher before every step (the loader) and at the end."""
 
-    def __init__(self, student, teacher, criterion, optimizer, tracked, monkeypatch, center_names=("center",)):
+    def __init__(self, student, teacher, criterion, optimizer, tracked, monkeypatch, center_names=("center",),
+                 loss_parts=()):
         self.student, self.teacher, self.tracked = student, teacher, tracked
         self.steps, self.snapshots = [], []
-        self.center_names = center_names
+        self.center_names, self.loss_parts = center_names, loss_parts
         criterion.register_forward_pre_hook(self.before_loss)
         criterion.register_forward_hook(self.after_loss)
         optimizer.register_step_pre_hook(self.before_optimizer_step)
@@ -79,7 +81,7 @@ class Recorder:
                            **{f"{c}_before": getattr(module, c).clone() for c in self.center_names}})
 
     def after_loss(self, module, inputs, output):
-        self.steps[-1]["loss"] = output["loss"].item()
+        self.steps[-1].update({k: output[k].item() for k in ("loss", *self.loss_parts)})
         self.steps[-1].update({f"{c}_after": getattr(module, c).clone() for c in self.center_names})
 
     def before_optimizer_step(self, optimizer, *_):
@@ -112,7 +114,7 @@ def without_key_bias(name, t):
     return torch.cat([q, v], dim=-1)
 
 
-def compare(recorder, case, student, centers=("center",), extra_losses=()):
+def compare(recorder, case, student, centers=("center",), loss_parts=()):
     """Every recorded value of the authors' run against the project's, step by step."""
     expected, got = case["steps"], recorder.steps
     n = len(expected["loss"])
@@ -126,7 +128,7 @@ def compare(recorder, case, student, centers=("center",), extra_losses=()):
         for c in centers:
             torch.testing.assert_close(step[f"{c}_before"], expected[f"{c}_before"][i], **LOSS_TOL, msg=f"{c} at {where}")
             torch.testing.assert_close(step[f"{c}_after"], expected[f"{c}_after"][i], **LOSS_TOL, msg=f"{c} at {where}")
-        for k in ("loss", *extra_losses):
+        for k in ("loss", *loss_parts):
             assert step[k] == pytest.approx(expected[k][i].item(), rel=LOSS_TOL["rtol"], abs=LOSS_TOL["atol"]), \
                 f"{k} at {where}"
     for who in ("student", "teacher"):
@@ -151,6 +153,41 @@ def schedules_like_main(args, n_steps):
     }
 
 
+def train(method, case, student, teacher, criterion, args, monkeypatch, **recorder_options):
+    """The project's own loop over all epochs of the case, as main() runs it (AdamW on
+    common.get_params_groups, the schedules of main, a grad scaler), on the case's fixed batches."""
+    student, teacher = exact_attention(student), exact_attention(teacher)
+    common.load_state_dict_strict(student, {k: v.float() for k, v in case["initial_state"].items()})
+    teacher.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False)
+    optimizer = torch.optim.AdamW(common.get_params_groups(student))
+    scaler = common.make_grad_scaler(DEVICE, args.precision)
+    labels = torch.zeros(len(case["batches"][0][0]), dtype=torch.long)
+    batches = [(([c.float() for c in crops], None), labels) for crops in case["batches"]]
+    schedules = schedules_like_main(args, len(batches))
+    recorder = Recorder(student, teacher, criterion, optimizer, list(case["snapshots"]["student"]), monkeypatch,
+                        **recorder_options)
+    for epoch in range(args.epochs):
+        method.train_one_epoch(student, teacher, criterion, recorder.loader(batches), optimizer, scaler, schedules,
+                               epoch, 0, args, DEVICE)
+    recorder.snapshot()
+    return recorder, student
+
+
+SCHEDULE_FLAGS = ["epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "weight_decay_end", "momentum_teacher",
+                  "warmup_teacher_temp", "teacher_temp", "warmup_teacher_temp_epochs", "clip_grad", "freeze_last_layer",
+                  "out_dim", "norm_last_layer", "local_crops_number"]
+
+
+def parse_args(method, settings, names, *extra):
+    s = settings
+    return method.get_args_parser().parse_args(
+        settings_flags(s, names)
+        + ["--batch_size_per_gpu", str(s["batch"]), "--head_hidden_dim", str(s["hidden_dim"]),
+           "--head_bottleneck_dim", str(s["bottleneck_dim"]), "--global_crop_size", str(s["global_size"]),
+           "--local_crop_size", str(s["local_size"]), "--drop_path_rate", "0", "--device", "cpu", *extra])
+
+
 def settings_flags(settings, names):
     flags = []
     for name in names:
@@ -164,43 +201,50 @@ def settings_flags(settings, names):
 # ================================================================================================
 def run_dino(case, tmp_path, monkeypatch):
     s = case["meta"]["settings"]
-    args = dino.get_args_parser().parse_args(
-        settings_flags(s, ["epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "weight_decay_end",
-                           "momentum_teacher", "warmup_teacher_temp", "teacher_temp", "warmup_teacher_temp_epochs",
-                           "clip_grad", "freeze_last_layer", "out_dim", "norm_last_layer", "local_crops_number",
-                           "patch_size"])
-        + ["--batch_size_per_gpu", str(s["batch"]), "--head_hidden_dim", str(s["hidden_dim"]),
-           "--head_bottleneck_dim", str(s["bottleneck_dim"]), "--global_crop_size", str(s["global_size"]),
-           "--local_crop_size", str(s["local_size"]), "--drop_path_rate", "0", "--device", "cpu",
-           "--output_dir", str(tmp_path)])
+    args = parse_args(dino, s, SCHEDULE_FLAGS + ["patch_size"], "--output_dir", str(tmp_path))
 
     def build_model():  # dino.build_model with a ViT smaller than vit_pico (keeps the case file small)
         backbone = common.build_backbone("vit_pico", args.patch_size, img_size=args.global_crop_size,
                                          embed_dim=s["embed_dim"], depth=s["depth"], num_heads=s["num_heads"])
         head = common.DINOHead(backbone.num_features, args.out_dim, norm_last_layer=args.norm_last_layer,
                                hidden_dim=args.head_hidden_dim, bottleneck_dim=args.head_bottleneck_dim)
-        return exact_attention(dino.DINO(backbone, head))
+        return dino.DINO(backbone, head)
 
-    student, teacher = build_model(), build_model()
-    common.load_state_dict_strict(student, {k: v.float() for k, v in case["initial_state"].items()})
-    teacher.load_state_dict(student.state_dict())
-    teacher.requires_grad_(False)
     criterion = dino.DINOLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp, args.teacher_temp,
                               args.warmup_teacher_temp_epochs, args.epochs)
-    optimizer = torch.optim.AdamW(common.get_params_groups(student))
-    scaler = common.make_grad_scaler(DEVICE, args.precision)
-    batches = [((([c.float() for c in crops]), None), torch.zeros(s["batch"], dtype=torch.long))
-               for crops in case["batches"]]
-    schedules = schedules_like_main(args, len(batches))
-    recorder = Recorder(student, teacher, criterion, optimizer, list(case["snapshots"]["student"]), monkeypatch)
-    for epoch in range(args.epochs):
-        dino.train_one_epoch(student, teacher, criterion, recorder.loader(batches), optimizer, scaler, schedules,
-                             epoch, 0, args, DEVICE)
-    recorder.snapshot()
-    return recorder, student
+    return train(dino, case, build_model(), build_model(), criterion, args, monkeypatch)
 
 
 def test_dino_trajectory_equals_authors_code(tmp_path, monkeypatch):
     case = load_case("dino")
     recorder, student = run_dino(case, tmp_path, monkeypatch)
     compare(recorder, case, student)
+
+
+# ================================================================================================
+# EsViT, view + region loss (microsoft/esvit main_esvit.train_one_epoch with DDINOLoss)
+# ================================================================================================
+def run_esvit(case, tmp_path, monkeypatch):
+    s = case["meta"]["settings"]
+    args = parse_args(esvit, s, SCHEDULE_FLAGS + ["window_size"], "--output_dir", str(tmp_path))
+
+    def build_model():  # esvit.build_model with a Swin smaller than swin_pico (keeps the case file small)
+        backbone = common.build_backbone("swin_pico", window_size=args.window_size, img_size=args.global_crop_size,
+                                         embed_dim=s["embed_dim"], depths=s["depths"], num_heads=s["num_heads"])
+        heads = [common.DINOHead(backbone.num_features, args.out_dim, norm_last_layer=args.norm_last_layer,
+                                 hidden_dim=args.head_hidden_dim, bottleneck_dim=args.head_bottleneck_dim)
+                 for _ in range(1 + args.use_region_loss)]
+        return esvit.EsViT(backbone, *heads)
+
+    criterion = esvit.EsViTLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp, args.teacher_temp,
+                                args.warmup_teacher_temp_epochs, args.epochs, args.use_region_loss)
+    return train(esvit, case, build_model(), build_model(), criterion, args, monkeypatch,
+                 center_names=("center", "center_grid"), loss_parts=("view_loss", "region_loss"))
+
+
+def test_esvit_trajectory_equals_authors_code(tmp_path, monkeypatch):
+    """Swin crops of 32 and 16 px with window 2: every token map is a multiple of the window, so
+    the documented 96-px padding difference (pad before or after the shift) does not arise."""
+    case = load_case("esvit")
+    recorder, student = run_esvit(case, tmp_path, monkeypatch)
+    compare(recorder, case, student, centers=("center", "center_grid"), loss_parts=("view_loss", "region_loss"))
