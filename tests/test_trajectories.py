@@ -35,6 +35,7 @@ import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
 import glsd  # noqa: E402
+import selfpatch  # noqa: E402
 
 DATA = ROOT / "tests/data"
 LOSS_TOL = dict(rtol=2e-5, atol=2e-5)
@@ -105,10 +106,12 @@ class Recorder:
 
 
 def without_key_bias(name, t):
-    """The key part of a qkv bias adds the same number to every logit of a query, which the
-    softmax ignores: its gradient is zero up to rounding, and AdamW turns that rounding noise
-    (different in any two implementations) into steps of +-lr. It is left out; the query and
-    value parts are compared."""
+    """A key bias adds the same number to every logit of a query, which the softmax ignores: its
+    gradient is zero up to rounding, and AdamW turns that rounding noise (different in any two
+    implementations) into steps of +-lr. It is left out (the query and value parts of a qkv bias
+    are compared)."""
+    if name.endswith("attn.k.bias"):                 # SelfPatch's class attention: a separate key Linear
+        return t[..., :0]
     if not name.endswith("qkv.bias"):
         return t
     q, _k, v = t.chunk(3, dim=-1)
@@ -165,7 +168,9 @@ def train(method, case, student, teacher, criterion, args, monkeypatch, **record
     scaler = common.make_grad_scaler(DEVICE, args.precision)
     labels = torch.zeros(len(case["batches"][0][0]), dtype=torch.long)
     geometry = case.get("geometry", [None] * len(case["batches"]))   # per crop: box, flip, image size
-    batches = [(([c.float() for c in crops], geo), labels) for crops, geo in zip(case["batches"], geometry)]
+    enlarge = case["meta"]["settings"].get("upsample", 1)    # crops stored at 1/enlarge resolution
+    batches = [(([c.float().repeat_interleave(enlarge, -1).repeat_interleave(enlarge, -2) for c in crops], geo), labels)
+               for crops, geo in zip(case["batches"], geometry)]
     schedules = schedules_like_main(args, len(batches))
     recorder = Recorder(student, teacher, criterion, optimizer, list(case["snapshots"]["student"]), monkeypatch,
                         **recorder_options)
@@ -285,3 +290,35 @@ def test_glsd_geometric_trajectory_equals_authors_code(tmp_path, monkeypatch):
     compare(recorder, case, student, centers=("center", "center_grid"), loss_parts=("view_loss", "region_loss"))
     kept = [step["kept_fraction"] for step in recorder.steps]
     assert 0 < min(kept) and max(kept) < 1, kept
+
+
+# ================================================================================================
+# SelfPatch (alinlab/SelfPatch main_selfpatch.train_one_epoch with its combined DINOLoss)
+# ================================================================================================
+def run_selfpatch(case, tmp_path, monkeypatch):
+    s = case["meta"]["settings"]
+    args = parse_args(selfpatch, s, SCHEDULE_FLAGS + ["patch_size", "patch_out_dim", "k_num"],
+                      "--neighbors_wrap", "true", "--output_dir", str(tmp_path))
+
+    def build_model():  # selfpatch.build_model with a ViT smaller than vit_pico (keeps the case file small)
+        backbone = common.build_backbone("vit_pico", args.patch_size, img_size=args.global_crop_size,
+                                         class_token=False, final_norm=False,
+                                         embed_dim=s["embed_dim"], depth=s["depth"], num_heads=s["num_heads"])
+        heads = [common.DINOHead(backbone.num_features, out_dim, norm_last_layer=args.norm_last_layer,
+                                 hidden_dim=args.head_hidden_dim, bottleneck_dim=args.head_bottleneck_dim)
+                 for out_dim in (args.out_dim, args.patch_out_dim)]
+        ca_head = selfpatch.AggregationModule(backbone.num_features, backbone.blocks[0].attn.num_heads)
+        return selfpatch.SelfPatch(backbone, ca_head, *heads, args.k_num, args.neighbors_wrap)
+
+    criterion = selfpatch.SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2,
+                                        args.warmup_teacher_temp, args.teacher_temp, args.warmup_teacher_temp_epochs,
+                                        args.epochs, args.patch_loss_weight)
+    return train(selfpatch, case, build_model(), build_model(), criterion, args, monkeypatch,
+                 center_names=("center", "patch_center"), loss_parts=("cls_loss", "patch_loss"))
+
+
+def test_selfpatch_trajectory_equals_authors_code(tmp_path, monkeypatch):
+    """14 x 14 and 6 x 6 patch grids (112 and 48 px, patch 8): the only grids the authors' code accepts."""
+    case = load_case("selfpatch")
+    recorder, student = run_selfpatch(case, tmp_path, monkeypatch)
+    compare(recorder, case, student, centers=("center", "patch_center"), loss_parts=("cls_loss", "patch_loss"))
