@@ -23,7 +23,9 @@ each single broken detail (weight decay on biases and norms, no clipping, last l
 centre updated before the loss, schedules indexed by epoch) moves them by far more (see
 TRAJECTORIES.md).
 """
+import math
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,7 @@ import dino  # noqa: E402
 import esvit  # noqa: E402
 import glsd  # noqa: E402
 import selfpatch  # noqa: E402
+import drloc  # noqa: E402
 
 DATA = ROOT / "tests/data"
 LOSS_TOL = dict(rtol=2e-5, atol=2e-5)
@@ -322,3 +325,143 @@ def test_selfpatch_trajectory_equals_authors_code(tmp_path, monkeypatch):
     case = load_case("selfpatch")
     recorder, student = run_selfpatch(case, tmp_path, monkeypatch)
     compare(recorder, case, student, centers=("center", "patch_center"), loss_parts=("cls_loss", "patch_loss"))
+
+
+# ================================================================================================
+# DRLoc with its supervised loss (yhlleo/VTs-Drloc main.train_one_epoch, Swin, l1 mode, |Delta| targets)
+# ================================================================================================
+def hashed_uniform(shape, name):
+    """Values in [-1, 1) from an integer hash of (name, element index): exact integer arithmetic,
+    so every machine draws the same numbers without a stored tensor (the DRLoc MLP alone has
+    280k weights, too many for the case file)."""
+    i = torch.arange(math.prod(shape), dtype=torch.int64) + (zlib.crc32(name.encode()) % 100_003) * 10_000_019
+    for _ in range(2):
+        i = ((i ^ (i >> 16)) * 0x45D9F3B) % 2**32
+    i = i ^ (i >> 16)
+    return (i.double() / 2**31 - 1).float().reshape(shape)
+
+
+def hashed_initial_state(model):
+    """The case's initial weights (the generator gave the authors' model the same values under
+    their names): biases 0.1 u, norm weights 1 + 0.2 u, position tables 0.5 u, matrices
+    u sqrt(3 / fan_in), rounded to float16."""
+    state = {}
+    for name, t in model.state_dict().items():
+        u = hashed_uniform(tuple(t.shape), name)
+        if name.endswith("bias"):
+            v = 0.1 * u
+        elif t.ndim == 1:
+            v = 1 + 0.2 * u
+        elif "relative_position_bias_table" in name:
+            v = 0.5 * u
+        else:
+            v = u * math.sqrt(3 / math.prod(t.shape[1:]))
+        state[name] = v.half().float()
+    return state
+
+
+def run_drloc(case, tmp_path, monkeypatch, lr_schedule=None):
+    """drloc.train_one_epoch from the case's weights. `lr_schedule` defaults to the lr the authors'
+    run used at each step: their timm scheduler is the documented difference (and it sets a step's
+    lr after the previous step, so the warm-up value is used twice); every other piece is the
+    project's own."""
+    s = case["meta"]["settings"]
+    args = drloc.get_args_parser().parse_args(
+        settings_flags(s, ["input_size", "window_size", "drloc_pairs", "lambda_drloc", "lambda_warmup_epochs", "epochs",
+                           "lr", "warmup_lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "smoothing", "seed"])
+        + ["--arch", "swin_pico", "--drloc_mode", "l1", "--drloc_targets", "abs", "--mixup", "0", "--cutmix", "0",
+           "--batch_size_per_gpu", str(s["batch"]), "--drop_path_rate", "0", "--device", "cpu",
+           "--output_dir", str(tmp_path)])
+    backbone = common.build_backbone(args.arch, window_size=args.window_size, img_size=args.input_size,
+                                     layer_norm_eps=1e-5, embed_dim=s["embed_dim"], depths=s["depths"],
+                                     num_heads=s["num_heads"])       # drloc.build_model's Swin, smaller
+    model = exact_attention(drloc.DRLoc(backbone, s["num_classes"], args.drloc_mode, args.drloc_pairs,
+                                        heads=[(backbone.num_features, None)]))
+    common.load_state_dict_strict(model, hashed_initial_state(model))
+    criterion = drloc.DRLocLoss(args.drloc_mode, args.drloc_targets == "signed", args.drloc_normalize, args.smoothing)
+    optimizer = torch.optim.AdamW(common.get_params_groups(model, drloc.NO_WEIGHT_DECAY), weight_decay=args.weight_decay)
+    scaler = common.make_grad_scaler(DEVICE, args.precision)
+    schedules = {"lr": case["steps"]["lr"].tolist() if lr_schedule is None else lr_schedule,
+                 "lambda": drloc.lambda_schedule(args.lambda_drloc, args.epochs, args.lambda_warmup_epochs,
+                                                 args.lambda_schedule)}
+
+    steps, snapshots = [], []
+
+    def after_loss(module, inputs, output):
+        (head,) = inputs[0]["drloc"]
+        steps.append({k: output[k].item() for k in ("loss", "L_ce", "L_drloc")}
+                     | {"lambda": inputs[2], "targets": drloc.relative_targets(head["pos_a"], head["pos_b"], head["k"])})
+    criterion.register_forward_hook(after_loss)
+    optimizer.register_step_pre_hook(lambda opt, *_: steps[-1].update(
+        lr=opt.param_groups[0]["lr"], lr_group1=opt.param_groups[1]["lr"],
+        wd=opt.param_groups[0]["weight_decay"], wd_group1=opt.param_groups[1]["weight_decay"]))
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recording_clip(parameters, max_norm, *rest, **options):
+        norm = clip(parameters, max_norm, *rest, **options)
+        steps[-1]["grad_norm"] = float(norm)
+        return norm
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    tracked = list(case["snapshots"]["model"])
+
+    def loader(batches):
+        for batch in batches:
+            params = dict(model.named_parameters())
+            snapshots.append({k: params[k].detach().clone() for k in tracked})
+            yield batch
+    batches = [(x.float(), y) for x, y in case["batches"]]
+    for epoch in range(args.epochs):
+        drloc.train_one_epoch(model, criterion, loader(batches), optimizer, scaler, None, schedules, epoch, 0, args, DEVICE)
+    params = dict(model.named_parameters())
+    snapshots.append({k: params[k].detach().clone() for k in tracked})
+    return steps, snapshots, model, args
+
+
+def test_drloc_trajectory_equals_authors_code(tmp_path, monkeypatch):
+    """Swin (grid 4 x 4), 8 pairs per image, lambda warmed up over 2 of 4 epochs, global-norm clip
+    active on some steps only. The pairs: the authors draw them from the global RNG, the project
+    from a generator seeded by (seed, epoch, step) (documented); the case seeded the authors' RNG
+    with that seed before each step, so both draw the same pairs (checked: equal targets)."""
+    case = load_case("drloc")
+    steps, snapshots, model, _ = run_drloc(case, tmp_path, monkeypatch)
+    expected = case["steps"]
+    assert len(steps) == len(expected["loss"])
+    for i, step in enumerate(steps):
+        where = f"step {i}"
+        torch.testing.assert_close(step["targets"], expected["targets"][i], rtol=0, atol=0, msg=f"pairs at {where}")
+        for k in ("lambda", "lr", "lr_group1", "wd", "wd_group1"):
+            assert step[k] == pytest.approx(expected[k][i].item(), rel=1e-12, abs=1e-15), f"{k} at {where}"
+        for k in ("loss", "L_ce", "L_drloc", "grad_norm"):
+            assert step[k] == pytest.approx(expected[k][i].item(), rel=LOSS_TOL["rtol"], abs=LOSS_TOL["atol"]), \
+                f"{k} at {where}"
+    clipped = [n > case["meta"]["settings"]["clip_grad"] for n in expected["grad_norm"].tolist()]
+    assert any(clipped) and not all(clipped)             # the clip is active on some steps only
+    for name, values in case["snapshots"]["model"].items():
+        for i, snap in enumerate(snapshots):
+            torch.testing.assert_close(without_key_bias(name, snap[name]), without_key_bias(name, values[i]),
+                                       **WEIGHT_TOL, msg=f"{name} after {i} steps")
+    final = model.state_dict()
+    for name, value in case["final_model"].items():        # matrices of the 512-wide MLP: their first 4 rows
+        torch.testing.assert_close(without_key_bias(name, final[name][:len(value)]), without_key_bias(name, value),
+                                   **WEIGHT_TOL, msg=f"final {name}")
+
+
+def test_drloc_authors_lr_is_timms_cosine_one_step_late():
+    """What the trajectory test replaces: the authors' lr at step s is timm's CosineLRScheduler
+    value at s - 1 (their loop calls step_update(s) *after* step s, so the warm-up start is used
+    twice), a cosine over *all* iterations, warm-up included (documented in drloc.py). main()'s
+    common.cosine_scheduler starts from the same warm-up value and differs afterwards."""
+    case = load_case("drloc")
+    s = case["meta"]["settings"]
+    scale = s["batch"] / 512
+    total, warmup = s["epochs"] * s["steps_per_epoch"], s["warmup_epochs"] * s["steps_per_epoch"]
+    base, start, final = s["lr"] * scale, s["warmup_lr"] * scale, s["min_lr"] * scale
+
+    def timm_cosine(t):
+        if t < warmup:
+            return start + t * (base - start) / warmup
+        return final + 0.5 * (base - final) * (1 + math.cos(math.pi * t / total))
+    authors = [timm_cosine(max(step - 1, 0)) for step in range(total)]
+    assert case["steps"]["lr"].tolist() == pytest.approx(authors, rel=1e-12)
+    ours = common.cosine_scheduler(base, final, s["epochs"], s["steps_per_epoch"], s["warmup_epochs"], start)
+    assert ours[0] == pytest.approx(authors[0]) and ours.tolist() != pytest.approx(authors)
