@@ -87,6 +87,8 @@ class Recorder:
         epoch = inputs[2]                           # criterion(student, teacher, epoch, ...)
         self.steps.append({"epoch": epoch, "teacher_temp": float(module.teacher_temp_schedule[epoch]),
                            **{f"{c}_before": getattr(module, c).clone() for c in self.center_names}})
+        if isinstance(inputs[0], torch.Tensor):      # DINO: the head outputs themselves
+            self.steps[-1].update(student_output=inputs[0].detach().clone(), teacher_output=inputs[1].detach().clone())
 
     def after_loss(self, module, inputs, output):
         self.steps[-1].update({k: output[k].item() for k in ("loss", *self.loss_parts)})
@@ -141,6 +143,9 @@ def compare(recorder, case, student, centers=("center",), loss_parts=()):
         for k in ("loss", *loss_parts):
             assert step[k] == pytest.approx(expected[k][i].item(), rel=LOSS_TOL["rtol"], abs=LOSS_TOL["atol"]), \
                 f"{k} at {where}"
+        for k in ("student_output", "teacher_output"):
+            if k in expected:
+                torch.testing.assert_close(step[k], expected[k][i], **LOSS_TOL, msg=f"{k} at {where}")
     for who in ("student", "teacher"):
         for name, values in case["snapshots"][who].items():
             for i, snap in enumerate(recorder.snapshots):
