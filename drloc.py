@@ -51,7 +51,8 @@ rows of its own, so an image gets the same pairs with 1 or n processes and after
 draw itself is the authors' pair of randint calls);
 the lr warms up from 5e-7 x batch / 512 and then follows `common.cosine_scheduler` over the
 remaining iterations (the Swin code's timm scheduler runs its cosine over all iterations, warmup
-included); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
+included, and their loop updates the lr after each step, so their step s uses the schedule's value
+at s - 1: the warm-up start twice; tests/test_trajectories.py shows both facts); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
 Precision: the authors train in fp32 (apex `--amp-opt-level O0`, their default). Here the
 default `--precision auto` picks per device as for the other methods (`common.choose_precision`):
 bf16 on GPUs with native bf16 (fp16 with a grad scaler on older ones) and on CPUs with native bf16
