@@ -652,8 +652,17 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
     sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                                          pin_memory=torch.cuda.is_available(), drop_last=train,
-                                         generator=torch.Generator().manual_seed(seed))
+                                         generator=torch.Generator().manual_seed(seed),
+                                         worker_init_fn=ignore_preemption_signals)
     return loader, sampler
+
+
+def ignore_preemption_signals(_worker_id):
+    """In a loader worker: SLURM and torchrun send the preemption signal to every process of the
+    job, workers included. A worker killed by it would take its training process down before the
+    checkpoint; ignoring it lets the training process finish its step, save and shut the workers."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 _preemption_signal = None

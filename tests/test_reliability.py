@@ -254,3 +254,52 @@ def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert expected in r.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Preemption of a whole job: torchrun, its processes and their loader workers all get SIGTERM
+# ------------------------------------------------------------------------------------------------
+def descendants(pid):
+    """Every living process below `pid` (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes(tmp_path):
+    """SLURM and torchrun signal every process of a job, loader workers included: the workers must
+    not die of it before their training process has written its checkpoint."""
+    args = [*tiny(max_steps_per_epoch="0", epochs="50", synthetic_images="64", num_workers="2"),
+            "--output_dir", str(tmp_path)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen([*torchrun, "dino.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("data:"):
+            break
+    deadline = time.time() + 60   # 1 agent -> 2 training processes -> 2 loader workers each
+    while len(descendants(proc.pid)) < 6 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(descendants(proc.pid)) >= 6, "the loader workers never started"
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "is killed by signal" not in err, err[-3000:]
+    assert "received SIGTERM" in out, err[-3000:]
+    ckpt = load(tmp_path / "checkpoint.pth")
+    assert ckpt["epoch"] < 50 and len(ckpt["rng"]) == 2
+    end = str(ckpt["epoch"] + 1)
+    resumed = subprocess.run([*torchrun, "dino.py", *args, "--epochs", end], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at epoch {ckpt['epoch']}, step {ckpt['step']}" in resumed.stdout
+    assert load(tmp_path / "checkpoint.pth")["epoch"] == int(end)
