@@ -832,11 +832,108 @@ def load_state_dict_strict(module, state_dict, what="model"):
 
 
 def load_checkpoint(path):
+    if Path(path).stat().st_size == 0:
+        die(f"checkpoint {path} is empty (0 bytes): it was not written by an atomic save (copied or "
+            f"truncated?); delete it to start afresh")
     try:  # the authors' full checkpoints store their args as an argparse.Namespace
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        die(f"cannot load checkpoint {path}: {e}")
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        die(f"checkpoint {path} cannot be read ({Path(path).stat().st_size} bytes: truncated, or not a "
+            f"PyTorch file?): {reason}")
+
+
+# Arguments that may differ when a run is resumed: where and how it runs, not what it learns.
+# --epochs may change too (the schedules follow the new length), but not below the epochs done.
+RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_images", "saveckp_freq",
+                 "save_every_iters", "precision", "monitor_correspondence", "val_subset", "allow_changed_args"}
+
+
+def token_stride(arch, patch_size):
+    """Pixels per token of the last feature map: the ViT patch; 32 for Swin (4 px patches, merged
+    once per later stage)."""
+    cfg = ARCHS[arch]
+    return patch_size if cfg["family"] == "vit" else 4 * 2 ** (len(cfg["depths"]) - 1)
+
+
+def check_crop_sizes(args):
+    """One rule for every self-supervised script: each crop is tiled exactly by the last tokens.
+    Otherwise a ViT stops deep inside timm, and a Swin silently pads its token maps with zeros
+    (averaged into the global feature, and off the crop's geometry)."""
+    stride = token_stride(args.arch, args.patch_size)
+    sizes = {"--global_crop_size": args.global_crop_size}
+    if args.local_crops_number:
+        sizes["--local_crop_size"] = args.local_crop_size
+    for flag, size in sizes.items():
+        if size % stride:
+            die(f"{flag} {size} is not a multiple of the {args.arch} token stride ({stride} px); "
+                f"use e.g. {max(stride, size // stride * stride)}")
+
+
+def start_training(args, method):
+    """Start-up of a training script, before anything is written to --output_dir: the crop sizes
+    (`check_crop_sizes`) and the checkpoint to resume from: written by this method, readable, and
+    trained with the same arguments (`check_resumed_args`). Then removes this script's own stale
+    temporary files and writes args.json. Returns the checkpoint to resume from, or None."""
+    if hasattr(args, "global_crop_size"):   # DRLoc checks its --input_size itself
+        check_crop_sizes(args)
+    path = Path(args.output_dir) / "checkpoint.pth"
+    ckpt = None
+    if path.exists():
+        ckpt = load_checkpoint(path)
+        written_by = ckpt.get("method") if isinstance(ckpt, dict) else None
+        if written_by != method:
+            who = f"{written_by}.py" if written_by else "another program"
+            die(f"{path} was written by {who}, not {method}.py: give {method}.py its own --output_dir "
+                f"(default runs/{method})")
+        check_resumed_args(ckpt, args, path)
+    if is_main_process():
+        remove_stale_temporaries(args.output_dir)
+    return ckpt
+
+
+def check_resumed_args(ckpt, args, path):
+    """Refuse to resume with arguments that change what is trained (architecture, head, crops, lr,
+    batch, ...): one line naming each difference. --allow_changed_args resumes anyway."""
+    old, new = ckpt.get("args", {}), vars(args)
+    changed = [k for k in sorted(old.keys() & new.keys())
+               if k not in RUN_ONLY_ARGS and k != "epochs" and as_plain(old[k]) != as_plain(new[k])]
+    if changed and not args.allow_changed_args:
+        die(f"{path} was trained with other arguments: "
+            + ", ".join(f"--{k} {as_plain(old[k])} (now {as_plain(new[k])})" for k in changed)
+            + "; run with the checkpoint's values, another --output_dir, or --allow_changed_args")
+    if changed:
+        log(f"warning: resuming with changed arguments (--allow_changed_args): {', '.join(changed)}")
+    if ckpt.get("epoch", 0) > args.epochs:
+        die(f"{path} has already trained {ckpt['epoch']} epochs, more than --epochs {args.epochs}")
+    if "epochs" in old and old["epochs"] != args.epochs:
+        log(f"--epochs changed from {old['epochs']} to {args.epochs}: the schedules follow the new length")
+
+
+def as_plain(value):
+    """Tuples and lists compare alike (args.json and checkpoints store tuples as lists)."""
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def remove_stale_temporaries(output_dir):
+    """Delete the temporary files that `save_checkpoint` of a killed process (kill -9, a node
+    failure) left behind; those of a process still alive are kept."""
+    for tmp in Path(output_dir).glob(".*.pth.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            log(f"removed {tmp}, left by an interrupted checkpoint write")
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def restore(checkpoint, **objects):
@@ -943,7 +1040,10 @@ def add_head_size_args(group):
 
 def add_run_args(parser, saveckp_freq=20):
     g = parser.add_argument_group("run")
-    g.add_argument("--output_dir", default=".", type=str, help="checkpoints and logs; a run resumes from here")
+    g.add_argument("--output_dir", default=f"runs/{Path(parser.prog).stem}", type=str,
+                   help="checkpoints and logs; a run resumes from here")
+    g.add_argument("--allow_changed_args", action="store_true",
+                   help="resume although arguments that change what is trained differ from the checkpoint's")
     g.add_argument("--saveckp_freq", default=saveckp_freq, type=int, help="keep a copy every N epochs")
     g.add_argument("--seed", default=0, type=int, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")

@@ -225,7 +225,7 @@ def main(args):
     device = common.init_distributed(args.device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.save_args(args)
+    ckpt = common.start_training(args, "dino")       # the checkpoint to resume from, or None
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -266,13 +266,13 @@ def main(args):
 
     # ---- resume from output_dir/checkpoint.pth when it exists
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
-    if ckpt_path.exists():
-        ckpt = common.load_checkpoint(ckpt_path)
+    if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, dino_loss=criterion)
         start_epoch, start_step = ckpt["epoch"], ckpt["step"]
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
+    common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         dataset.set_epoch(epoch)

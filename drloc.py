@@ -494,9 +494,9 @@ def main(args):
     device = common.init_distributed(args.device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.save_args(args)
-    common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
     check_args(args)
+    ckpt = common.start_training(args, "drloc")      # the checkpoint to resume from, or None
+    common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's augmentation depends only on (seed, epoch, index)
     train_base, val_base = common.build_dataset(args, train=True), common.build_dataset(args, train=False)
@@ -540,13 +540,13 @@ def main(args):
 
     # ---- resume from output_dir/checkpoint.pth when it exists
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
-    if ckpt_path.exists():
-        ckpt = common.load_checkpoint(ckpt_path)
+    if ckpt is not None:
         common.restore(ckpt, model=model, optimizer=optimizer, scaler=scaler, drloc_loss=criterion)
         start_epoch, start_step = ckpt["epoch"], ckpt["step"]
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
+    common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         dataset.set_epoch(epoch)

@@ -317,7 +317,7 @@ def main(args):
     device = common.init_distributed(args.device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.save_args(args)
+    ckpt = common.start_training(args, "esvit")      # the checkpoint to resume from, or None
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -358,8 +358,7 @@ def main(args):
 
     # ---- resume from output_dir/checkpoint.pth when it exists, else continue a view-only run (--init_from)
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
-    if ckpt_path.exists():
-        ckpt = common.load_checkpoint(ckpt_path)
+    if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, esvit_loss=criterion)
         start_epoch, start_step = ckpt["epoch"], ckpt["step"]
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
@@ -367,6 +366,7 @@ def main(args):
     elif args.init_from:
         start_epoch, start_step = init_from_view_only(args.init_from, student, teacher, criterion, args)
 
+    common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         dataset.set_epoch(epoch)

@@ -363,8 +363,7 @@ def main(args):
     device = common.init_distributed(args.device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.save_args(args)
-    check_crop_sizes(args)
+    ckpt = common.start_training(args, "glsd")       # the checkpoint to resume from, or None
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -406,13 +405,13 @@ def main(args):
 
     # ---- resume from output_dir/checkpoint.pth when it exists
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
-    if ckpt_path.exists():
-        ckpt = common.load_checkpoint(ckpt_path)
+    if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, glsd_loss=criterion)
         start_epoch, start_step = ckpt["epoch"], ckpt["step"]
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
+    common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         dataset.set_epoch(epoch)
@@ -428,19 +427,6 @@ def main(args):
         if common.preemption_requested(device):
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; teacher backbone for evaluation: {Path(args.output_dir) / 'teacher_backbone.pth'}")
-
-
-def check_crop_sizes(args):
-    """Geometric matching places the token grid over the whole crop, so the crops must be tiled
-    exactly by tokens (Swin: 32 px per final token; ViT: one patch)."""
-    stride = 32 if common.ARCHS[args.arch]["family"] == "swin" else args.patch_size
-    sizes = {"--global_crop_size": args.global_crop_size}
-    if args.local_crops_number:
-        sizes["--local_crop_size"] = args.local_crop_size
-    for flag, size in sizes.items():
-        if args.local_matching == "geometric" and size % stride:
-            common.die(f"{flag} {size} is not a multiple of the {args.arch} token stride ({stride} px), which "
-                       f"geometric matching needs; use e.g. {max(stride, size // stride * stride)}")
 
 
 def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):

@@ -235,7 +235,8 @@ def test_truncated_image_is_named_or_skipped(tmp_path, workers):
     ("missing", "does not exist"),
     ("empty", "no images in"),
     ("arch", "invalid choice: 'vit_huge'"),
-    ("other_arch_checkpoint", "does not match the checkpoint"),
+    ("other_arch_checkpoint", "--arch vit_pico (now vit_tiny)"),
+    ("other_arch_checkpoint_allowed", "does not match the checkpoint"),
 ])
 def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
     args = [*FOLDER_ARGS, "--output_dir", str(tmp_path / "out")]
@@ -249,7 +250,7 @@ def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
     else:
         args = [*tiny(epochs="1", max_steps_per_epoch="1"), "--output_dir", str(tmp_path / "out")]
         assert run("dino.py", *args).returncode == 0
-        args = [*args, "--arch", "swin_pico"]
+        args = [*args, "--arch", "vit_tiny"] + (["--allow_changed_args"] if case.endswith("allowed") else [])
     r = run("dino.py", *args)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
@@ -303,3 +304,80 @@ def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resume
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at epoch {ckpt['epoch']}, step {ckpt['step']}" in resumed.stdout
     assert load(tmp_path / "checkpoint.pth")["epoch"] == int(end)
+
+
+# ------------------------------------------------------------------------------------------------
+# Start-up checks of a resumed run: same method, same arguments, a readable checkpoint
+# ------------------------------------------------------------------------------------------------
+def last_line(result):
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_resume_with_changed_arguments_refuses_naming_each_difference(dino_uninterrupted, tmp_path):
+    shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
+    r = run("dino.py", *DINO_TINY, "--lr", "0.001", "--local_crops_number", "4", "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = last_line(r)
+    assert "trained with other arguments" in line and "--allow_changed_args" in line
+    assert "--lr 0.0005 (now 0.001)" in line and "--local_crops_number 2 (now 4)" in line
+    assert not (tmp_path / "args.json").exists()          # written only once every check passed
+    # extending --epochs is allowed, and so is a change of where the run happens
+    r = run("dino.py", *tiny(epochs="3", num_workers="1"), "--output_dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--epochs changed from 2 to 3" in r.stdout and load(tmp_path / "checkpoint.pth")["epoch"] == 3
+    assert '"epochs": 3' in (tmp_path / "args.json").read_text()
+    r = run("dino.py", *tiny(epochs="2"), "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "already trained 3 epochs, more than --epochs 2" in last_line(r)
+
+
+def test_default_output_dir_is_per_method_and_another_methods_checkpoint_is_named(dino_uninterrupted, tmp_path):
+    import dino
+    import drloc
+    import esvit
+    assert dino.get_args_parser().parse_args([]).output_dir == "runs/dino"
+    assert esvit.get_args_parser().parse_args([]).output_dir == "runs/esvit"
+    assert drloc.get_args_parser().parse_args([]).output_dir == "runs/drloc"
+    shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
+    r = run("esvit.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"{tmp_path / 'checkpoint.pth'} was written by dino.py, not esvit.py" in last_line(r)
+
+
+def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted, tmp_path):
+    shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".checkpoint.pth.tmp{int(dead.stdout)}"      # left by a `kill -9` during a save
+    alive = tmp_path / f".checkpoint.pth.tmp{os.getpid()}"            # a save in progress: kept
+    stale.write_bytes(b"partial")
+    alive.write_bytes(b"partial")
+    r = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not stale.exists() and alive.exists()
+    assert f"removed {stale}" in r.stdout
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_empty_or_truncated_checkpoint_is_named(dino_uninterrupted, tmp_path, damage):
+    data = (dino_uninterrupted / "checkpoint.pth").read_bytes()
+    (tmp_path / "checkpoint.pth").write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    r = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = last_line(r)
+    assert line.startswith(f"error: checkpoint {tmp_path / 'checkpoint.pth'}")
+    assert ("is empty (0 bytes)" if damage == "empty" else "truncated") in line
+    assert line.rstrip().split(":")[-1].strip()            # a reason, never a blank one
+
+
+def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(tmp_path):
+    import dino
+    import esvit
+    import selfpatch
+    import common
+    for module, arch in ((dino, "swin_pico"), (esvit, "swin_pico"), (selfpatch, "vit_small")):
+        bad = module.get_args_parser().parse_args(["--arch", arch, "--local_crop_size", "40"])
+        with pytest.raises(SystemExit, match="--local_crop_size 40 is not a multiple"):
+            common.check_crop_sizes(bad)
+    r = run("dino.py", *tiny(global_crop_size="36"), "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--global_crop_size 36 is not a multiple of the vit_pico token stride (16 px)" in last_line(r)
+    assert not (tmp_path / "args.json").exists()
