@@ -989,30 +989,58 @@ def bool_flag(s):
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
 
 
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a number of `kind` (int or float) in [low, high] (low excluded with
+    low_open; None = unbounded), so that a value out of range is one line at parse time."""
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf)' if high is None else f'{high}]'}")
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high) or value != value:  # value != value: NaN
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected a value in {bounds}")
+        return value
+    parse.__name__ = f"{kind.__name__} in {bounds}"
+    return parse
+
+
+POSITIVE_INT = ranged(int, 1)                     # sizes, batches, epochs
+COUNT = ranged(int, 0)                            # 0 allowed: "none" or "off"
+POSITIVE = ranged(float, 0, low_open=True)        # temperatures
+NONNEGATIVE = ranged(float, 0)                    # learning rates, weight decay, loss weights
+FRACTION = ranged(float, 0, 1)                    # momenta, probabilities, rates
+AREA_FRACTION = ranged(float, 0, 1, low_open=True)  # crop scales
+
+
 def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     g = parser.add_argument_group("backbone")
     g.add_argument("--arch", default=arch, choices=list(ARCHS),
                    help="ViT (DINO Table 8) or Swin (EsViT Table 6); *_pico are tiny CPU test models")
-    g.add_argument("--patch_size", default=16, type=int,
+    g.add_argument("--patch_size", default=16, type=POSITIVE_INT,
                    help="ViT patch size (16 or 8; smaller patches are much better and much slower)")
-    g.add_argument("--window_size", default=7, type=int,
+    g.add_argument("--window_size", default=7, type=POSITIVE_INT,
                    help="Swin window size (7, or 14 for full attention in the last two stages)")
-    g.add_argument("--drop_path_rate", default=drop_path_rate, type=float, help="stochastic depth of the student")
+    g.add_argument("--drop_path_rate", default=drop_path_rate, type=FRACTION, help="stochastic depth of the student")
     return g
 
 
 def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4),
                        local_crops_number=8):
     g = parser.add_argument_group("multi-crop augmentation")
-    g.add_argument("--global_crops_scale", type=float, nargs=2, default=global_crops_scale,
+    g.add_argument("--global_crops_scale", type=AREA_FRACTION, nargs=2, default=global_crops_scale,
                    help="area range of the 2 global crops (DINO advises a wide range, e.g. (0.14, 1) "
                         "without local crops)")
-    g.add_argument("--local_crops_number", type=int, default=local_crops_number,
+    g.add_argument("--local_crops_number", type=COUNT, default=local_crops_number,
                    help="number of small local crops (0 disables multi-crop)")
-    g.add_argument("--local_crops_scale", type=float, nargs=2, default=local_crops_scale,
+    g.add_argument("--local_crops_scale", type=AREA_FRACTION, nargs=2, default=local_crops_scale,
                    help="area range of the local crops")
-    g.add_argument("--global_crop_size", type=int, default=224, help="pixels")
-    g.add_argument("--local_crop_size", type=int, default=96, help="pixels")
+    g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
+    g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
     return g
 
 
@@ -1021,20 +1049,20 @@ def add_data_args(parser):
     g.add_argument("--dataset", default="folder", choices=DATASETS,
                    help="folder = an ImageFolder at --data_path; synthetic = procedural shapes, no files")
     g.add_argument("--data_path", default=None, type=str, help="image folder, or a dataset's local root")
-    g.add_argument("--synthetic_images", default=2000, type=int, help="size of the synthetic train split")
-    g.add_argument("--synthetic_image_size", default=64, type=int, help="side of synthetic images (pixels)")
-    g.add_argument("--synthetic_seed", default=0, type=int, help="which synthetic dataset to draw")
+    g.add_argument("--synthetic_images", default=2000, type=POSITIVE_INT, help="size of the synthetic train split")
+    g.add_argument("--synthetic_image_size", default=64, type=POSITIVE_INT, help="side of synthetic images (pixels)")
+    g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic dataset to draw")
     g.add_argument("--skip_bad_images", action="store_true",
                    help="skip unreadable image files (logged and counted) instead of stopping")
-    g.add_argument("--num_workers", default=10, type=int, help="data loader processes per GPU/process")
+    g.add_argument("--num_workers", default=10, type=COUNT, help="data loader processes per GPU/process")
     return g
 
 
 def add_head_size_args(group):
     """The DINO head's MLP sizes. The authors fix 2048 / 256; a tiny CPU backbone (64-dim) trains
     several times more steps per minute with a head sized like itself."""
-    group.add_argument("--head_hidden_dim", default=2048, type=int, help="width of the head's hidden MLP layers")
-    group.add_argument("--head_bottleneck_dim", default=256, type=int,
+    group.add_argument("--head_hidden_dim", default=2048, type=POSITIVE_INT, help="width of the head's hidden MLP layers")
+    group.add_argument("--head_bottleneck_dim", default=256, type=POSITIVE_INT,
                        help="width of the l2-normalised bottleneck before the K-way last layer")
 
 
@@ -1044,15 +1072,15 @@ def add_run_args(parser, saveckp_freq=20):
                    help="checkpoints and logs; a run resumes from here")
     g.add_argument("--allow_changed_args", action="store_true",
                    help="resume although arguments that change what is trained differ from the checkpoint's")
-    g.add_argument("--saveckp_freq", default=saveckp_freq, type=int, help="keep a copy every N epochs")
-    g.add_argument("--seed", default=0, type=int, help="seeds weights, data order and augmentations")
+    g.add_argument("--saveckp_freq", default=saveckp_freq, type=COUNT, help="keep a copy every N epochs")
+    g.add_argument("--seed", default=0, type=COUNT, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     g.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"],
                    help="autocast dtype; fp16 uses a grad scaler (on CPU only for testing: slow); bf16 is faster "
                         "on GPUs, and on CPUs at ViT-S size (slower for the tiny *_pico models)")
-    g.add_argument("--save_every_iters", default=0, type=int,
+    g.add_argument("--save_every_iters", default=0, type=COUNT,
                    help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
                         "resumes at the next unseen batch")
-    g.add_argument("--max_steps_per_epoch", default=0, type=int,
+    g.add_argument("--max_steps_per_epoch", default=0, type=COUNT,
                    help="stop each epoch after N steps (0 = full epoch); for smoke tests")
     return g

@@ -80,47 +80,49 @@ def get_args_parser():
     common.add_backbone_args(p, arch="swin_tiny", drop_path_rate=0.2)
 
     g = p.add_argument_group("DRLoc loss")
-    g.add_argument("--lambda_drloc", default=0.5, type=float,
+    g.add_argument("--lambda_drloc", default=0.5, type=common.NONNEGATIVE,
                    help="weight of L_drloc: 0.5 for Swin, 0.1 for T2T/CvT-like models; 0 = plain supervised baseline")
     g.add_argument("--lambda_schedule", default="warmup_decay", choices=["warmup_decay", "constant"],
                    help="warmup_decay (the authors' code): linear 0 -> lambda over --lambda_warmup_epochs, then "
                         "linear decay towards 0 at the last epoch; constant: the paper's text")
-    g.add_argument("--lambda_warmup_epochs", default=20, type=int, help="epochs of lambda warmup (warmup_decay)")
+    g.add_argument("--lambda_warmup_epochs", default=20, type=common.COUNT, help="epochs of lambda warmup (warmup_decay)")
     g.add_argument("--drloc_mode", default="l1", choices=["l1", "ce", "reg", "all", "exh"],
                    help="l1 (best in the paper), ce (classify offsets), reg (Gaussian-prior regression, Eq. 6), "
                         "all (one l1 head per Swin stage; worse than the baseline in the paper), "
                         "exh (every token once with a random partner, m = k^2)")
     g.add_argument("--drloc_targets", default="abs", choices=["abs", "signed"],
                    help="abs |Delta| (the published recipe) or signed Delta + k - 1 (the paper's L*, worse)")
-    g.add_argument("--drloc_pairs", default=64, type=int,
+    g.add_argument("--drloc_pairs", default=64, type=common.POSITIVE_INT,
                    help="m, pairs sampled per image (the paper: 64 beats 32, 128 and 256 on CIFAR-100)")
     g.add_argument("--drloc_normalize", default=False, type=common.bool_flag,
                    help="normalised targets in [0, 1] (l1 modes only) instead of the code's integer offsets; "
                         "lower the loss scale by about k/2, so retune --lambda_drloc")
 
     g = p.add_argument_group("supervised training")
-    g.add_argument("--input_size", default=224, type=int,
+    g.add_argument("--input_size", default=224, type=common.POSITIVE_INT,
                    help="image side in pixels; the paper resizes every dataset to 224 (Swin: 7 x 7 final grid)")
     g.add_argument("--pretrained", default="", type=str,
                    help="backbone weights to fine-tune from (timm or official Swin keys); the paper's "
                         "fine-tuning recipe: --lr 5e-4 --warmup_epochs 10")
     g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", type=str, help="timm RandAugment policy ('' = none)")
-    g.add_argument("--reprob", default=0.25, type=float, help="random erasing probability")
-    g.add_argument("--mixup", default=0.8, type=float, help="mixup alpha (0 with --cutmix 0 = no mixing)")
-    g.add_argument("--cutmix", default=1.0, type=float, help="cutmix alpha")
-    g.add_argument("--smoothing", default=0.1, type=float, help="label smoothing")
-    g.add_argument("--train_subset", default=0, type=int, help="train on the first N images only (0 = all)")
-    g.add_argument("--val_subset", default=0, type=int, help="validate on the first N images only (0 = all)")
+    g.add_argument("--reprob", default=0.25, type=common.FRACTION, help="random erasing probability")
+    g.add_argument("--mixup", default=0.8, type=common.NONNEGATIVE, help="mixup alpha (0 with --cutmix 0 = no mixing)")
+    g.add_argument("--cutmix", default=1.0, type=common.NONNEGATIVE, help="cutmix alpha")
+    g.add_argument("--smoothing", default=0.1, type=common.FRACTION, help="label smoothing")
+    g.add_argument("--train_subset", default=0, type=common.COUNT, help="train on the first N images only (0 = all)")
+    g.add_argument("--val_subset", default=0, type=common.COUNT, help="validate on the first N images only (0 = all)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--batch_size_per_gpu", default=128, type=int, help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=100, type=int)
-    g.add_argument("--lr", default=5e-4, type=float, help="peak lr at total batch 512 (linear scaling)")
-    g.add_argument("--warmup_lr", default=5e-7, type=float, help="lr at the first step, at total batch 512")
-    g.add_argument("--min_lr", default=5e-6, type=float, help="lr at the end of the cosine, at total batch 512")
-    g.add_argument("--warmup_epochs", default=20, type=int, help="linear lr warmup (from scratch 20, fine-tuning 10)")
-    g.add_argument("--weight_decay", default=0.05, type=float)
-    g.add_argument("--clip_grad", default=5.0, type=float, help="global gradient-norm clip (0 = off)")
+    g.add_argument("--batch_size_per_gpu", default=128, type=common.POSITIVE_INT,
+                   help="images per process (the paper: 1024 in total)")
+    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT)
+    g.add_argument("--lr", default=5e-4, type=common.NONNEGATIVE, help="peak lr at total batch 512 (linear scaling)")
+    g.add_argument("--warmup_lr", default=5e-7, type=common.NONNEGATIVE, help="lr at the first step, at total batch 512")
+    g.add_argument("--min_lr", default=5e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine, at total batch 512")
+    g.add_argument("--warmup_epochs", default=20, type=common.COUNT,
+                   help="linear lr warmup (from scratch 20, fine-tuning 10)")
+    g.add_argument("--weight_decay", default=0.05, type=common.NONNEGATIVE)
+    g.add_argument("--clip_grad", default=5.0, type=common.NONNEGATIVE, help="global gradient-norm clip (0 = off)")
 
     common.add_data_args(p)
     common.add_run_args(p, saveckp_freq=20)

@@ -71,7 +71,7 @@ def get_args_parser():
     common.add_backbone_args(p, arch="swin_tiny", drop_path_rate=0.1)
 
     g = p.add_argument_group("EsViT heads and loss")
-    g.add_argument("--out_dim", default=65536, type=int,
+    g.add_argument("--out_dim", default=65536, type=common.POSITIVE_INT,
                    help="K, the number of prototypes of both the view head and the region head")
     g.add_argument("--use_region_loss", default=True, type=common.bool_flag,
                    help="add the region-matching loss L_R; false = view-level loss L_V only (Table 2's "
@@ -87,25 +87,25 @@ def get_args_parser():
     g.add_argument("--use_bn_in_head", default=False, type=common.bool_flag,
                    help="batch norm in the head MLPs")
     common.add_head_size_args(g)
-    g.add_argument("--momentum_teacher", default=0.996, type=float,
+    g.add_argument("--momentum_teacher", default=0.996, type=common.FRACTION,
                    help="EMA momentum base, cosine to 1; use 0.9995 with batches of 256 or less")
-    g.add_argument("--warmup_teacher_temp", default=0.04, type=float, help="teacher temperature at epoch 0")
-    g.add_argument("--teacher_temp", default=0.07, type=float,
+    g.add_argument("--warmup_teacher_temp", default=0.04, type=common.POSITIVE, help="teacher temperature at epoch 0")
+    g.add_argument("--teacher_temp", default=0.07, type=common.POSITIVE,
                    help="teacher temperature after warmup; above 0.07 training becomes unstable")
-    g.add_argument("--warmup_teacher_temp_epochs", default=30, type=int,
+    g.add_argument("--warmup_teacher_temp_epochs", default=30, type=common.COUNT,
                    help="epochs of linear teacher-temperature warmup")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--batch_size_per_gpu", default=32, type=int,
+    g.add_argument("--batch_size_per_gpu", default=32, type=common.POSITIVE_INT,
                    help="images per process (the paper: 32 x 16 GPUs = 512)")
-    g.add_argument("--epochs", default=300, type=int)
-    g.add_argument("--lr", default=0.0005, type=float, help="peak lr at total batch 256 (linear scaling)")
-    g.add_argument("--min_lr", default=1e-6, type=float, help="lr at the end of the cosine schedule")
-    g.add_argument("--warmup_epochs", default=10, type=int, help="linear lr warmup from 0")
-    g.add_argument("--weight_decay", default=0.04, type=float, help="weight decay at the start (cosine)")
-    g.add_argument("--weight_decay_end", default=0.4, type=float, help="weight decay at the end")
-    g.add_argument("--clip_grad", default=3.0, type=float, help="per-parameter gradient norm clip (0 = off)")
-    g.add_argument("--freeze_last_layer", default=1, type=int,
+    g.add_argument("--epochs", default=300, type=common.POSITIVE_INT)
+    g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE, help="peak lr at total batch 256 (linear scaling)")
+    g.add_argument("--min_lr", default=1e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine schedule")
+    g.add_argument("--warmup_epochs", default=10, type=common.COUNT, help="linear lr warmup from 0")
+    g.add_argument("--weight_decay", default=0.04, type=common.NONNEGATIVE, help="weight decay at the start (cosine)")
+    g.add_argument("--weight_decay_end", default=0.4, type=common.NONNEGATIVE, help="weight decay at the end")
+    g.add_argument("--clip_grad", default=3.0, type=common.NONNEGATIVE, help="per-parameter gradient norm clip (0 = off)")
+    g.add_argument("--freeze_last_layer", default=1, type=common.COUNT,
                    help="epochs during which the last layers of both heads are not updated")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (ViT) or sgd")
 

@@ -58,24 +58,24 @@ def add_weights_args(parser):
                         "--pretrained_weights, the architecture of that checkpoint)")
     g.add_argument("--arch", default="vit_small", choices=list(common.ARCHS),
                    help="architecture of a plain state dict (full checkpoints record their own)")
-    g.add_argument("--patch_size", default=16, type=int, help="ViT patch size of a plain state dict")
-    g.add_argument("--window_size", default=7, type=int, help="Swin window size of a plain state dict")
+    g.add_argument("--patch_size", default=16, type=common.POSITIVE_INT, help="ViT patch size of a plain state dict")
+    g.add_argument("--window_size", default=7, type=common.POSITIVE_INT, help="Swin window size of a plain state dict")
     return g
 
 
 def add_eval_data_args(parser, batch_size=128):
     g = common.add_data_args(parser)
-    g.add_argument("--resize", default=256, type=int, help="shorter side after resizing (bicubic)")
-    g.add_argument("--crop", default=224, type=int, help="side of the center crop; for small datasets, "
+    g.add_argument("--resize", default=256, type=common.POSITIVE_INT, help="shorter side after resizing (bicubic)")
+    g.add_argument("--crop", default=224, type=common.POSITIVE_INT, help="side of the center crop; for small datasets, "
                                                           "e.g. --resize 64 --crop 64 on 64-px images")
-    g.add_argument("--batch_size_per_gpu", default=batch_size, type=int, help="images per process")
+    g.add_argument("--batch_size_per_gpu", default=batch_size, type=common.POSITIVE_INT, help="images per process")
     return g
 
 
 def add_eval_run_args(parser):
     g = parser.add_argument_group("run")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    g.add_argument("--seed", default=0, type=int, help="seeds --random_init (and eval_linear's data order)")
+    g.add_argument("--seed", default=0, type=common.COUNT, help="seeds --random_init (and eval_linear's data order)")
     return g
 
 
@@ -84,9 +84,9 @@ def get_args_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_weights_args(p)
     g = p.add_argument_group("k-NN")
-    g.add_argument("--nb_knn", default=[10, 20, 100, 200], nargs="+", type=int,
+    g.add_argument("--nb_knn", default=[10, 20, 100, 200], nargs="+", type=common.POSITIVE_INT,
                    help="numbers of neighbours k; the paper finds k=20 consistently best")
-    g.add_argument("--temperature", default=0.07, type=float,
+    g.add_argument("--temperature", default=0.07, type=common.POSITIVE,
                    help="T in the vote weight exp(similarity / T), from Wu et al. (not tuned)")
     g.add_argument("--dump_features", default=None, help="save the features and labels to this folder")
     g.add_argument("--load_features", default=None,
@@ -316,11 +316,12 @@ def main(args):
 
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     results = {}
+    if max(args.nb_knn) > len(train_labels):
+        common.die(f"--nb_knn {max(args.nb_knn)} is more than the {len(train_labels)} train images; "
+                   f"pass smaller values, e.g. --nb_knn {min(20, len(train_labels))}")
     for k in args.nb_knn:
-        if k > len(train_labels):
-            common.log(f"k={k} is more than the {len(train_labels)} train images: using k={len(train_labels)}")
         top1, top5 = knn_classifier(train_features, train_labels, test_features, test_labels,
-                                    min(k, len(train_labels)), args.temperature, num_classes)
+                                    k, args.temperature, num_classes)
         results[k] = (top1, top5)
         common.log(f"{k}-NN classifier result: top-1 {top1:.2f}%" + (f", top-5 {top5:.2f}%" if top5 is not None else ""))
     return results

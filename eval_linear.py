@@ -52,22 +52,23 @@ def get_args_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_weights_args(p)
     g = p.add_argument_group("linear probe")
-    g.add_argument("--n_last_blocks", default=4, type=int,
+    g.add_argument("--n_last_blocks", default=4, type=common.POSITIVE_INT,
                    help="concatenate the features of the last n blocks: 4 for ViT-S (the paper finds 4 "
                         "best), 1 for ViT-B; EsViT uses 4 for Swin")
     g.add_argument("--avgpool_patchtokens", default=False, type=common.bool_flag,
                    help="add the mean of the patch tokens to the CLS token (ViT only, with "
                         "--n_last_blocks 1; the paper's choice for ViT-B)")
-    g.add_argument("--epochs", default=100, type=int)
-    g.add_argument("--lr", default=0.001, type=float,
+    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT)
+    g.add_argument("--lr", default=0.001, type=common.NONNEGATIVE,
                    help="lr at total batch 256 (linear scaling); the paper sweeps it for each model")
-    g.add_argument("--val_freq", default=1, type=int, help="validate every N epochs (and after the last)")
-    g.add_argument("--num_labels", default=None, type=int, help="number of classes (default: from the dataset)")
+    g.add_argument("--val_freq", default=1, type=common.POSITIVE_INT, help="validate every N epochs (and after the last)")
+    g.add_argument("--num_labels", default=None, type=common.POSITIVE_INT,
+                   help="number of classes (default: from the dataset)")
     add_eval_data_args(p)
     g = add_eval_run_args(p)
     g.add_argument("--output_dir", default=".", type=str,
                    help="log.txt and linear_checkpoint.pth; a run resumes from here")
-    g.add_argument("--max_steps_per_epoch", default=0, type=int,
+    g.add_argument("--max_steps_per_epoch", default=0, type=common.COUNT,
                    help="stop each epoch after N steps (0 = full epoch); for smoke tests")
     return p
 

@@ -381,3 +381,32 @@ def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(t
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--global_crop_size 36 is not a multiple of the vit_pico token stride (16 px)" in last_line(r)
     assert not (tmp_path / "args.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Numeric arguments out of range: refused at parse time, in one line
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script,flag,value", [
+    ("dino", "--epochs", "0"), ("dino", "--out_dim", "0"), ("dino", "--momentum_teacher", "2"), ("dino", "--lr", "-1"),
+    ("dino", "--local_crops_number", "-2"), ("dino", "--global_crops_scale", "0"), ("dino", "--teacher_temp", "0"),
+    ("esvit", "--batch_size_per_gpu", "0"), ("glsd", "--warmup_epochs", "-1"), ("selfpatch", "--k_num", "0"),
+    ("drloc", "--smoothing", "1.5"), ("drloc", "--input_size", "nan"), ("eval_knn", "--temperature", "0"),
+    ("eval_knn", "--nb_knn", "0"), ("eval_linear", "--n_last_blocks", "0"), ("eval_linear", "--epochs", "-3"),
+])
+def test_numeric_arguments_out_of_range_are_refused_at_parse_time(capsys, script, flag, value):
+    import importlib
+    parser = importlib.import_module(script).get_args_parser()
+    values = [value, value] if flag.endswith("crops_scale") else [value]
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([flag, *values])
+    assert exit_info.value.code != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in last and ("out of range" in last or "expected" in last)
+
+
+def test_more_neighbours_than_train_images_is_refused(tmp_path):
+    r = run("eval_knn.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "16",
+            "--synthetic_image_size", "32", "--resize", "32", "--crop", "32", "--num_workers", "0", "--device", "cpu",
+            "--nb_knn", "10", "200")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--nb_knn 200 is more than the 16 train images" in last_line(r)
