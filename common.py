@@ -11,6 +11,7 @@ Sections, top to bottom:
   8. Logging        progress bar, JSON log lines, argument groups shared by every script
 """
 import argparse
+import atexit
 import contextlib
 import gzip
 import itertools
@@ -388,12 +389,14 @@ def user_errors():
 
 class ImageFolderSafe(tv_datasets.ImageFolder):
     """ImageFolder with `load_image`; with `skip_bad_images`, an unreadable file is replaced by the
-    next readable one instead of stopping the run. Skipped files are listed in `bad_images` (this
-    process) and counted in `skipped`, a counter shared with the loader's worker processes."""
+    next readable one instead of stopping the run (for training). Skipped files are listed in
+    `bad_images` (this process) and counted in `skipped`, a counter shared with the loader's worker
+    processes. With `substitute = False` (evaluation) the error goes to the caller, which drops the
+    sample: a neighbour's image and label would bias the accuracy."""
 
     def __init__(self, root, skip_bad_images=False):
         super().__init__(root, loader=load_image)
-        self.skip_bad_images, self.bad_images = skip_bad_images, []
+        self.skip_bad_images, self.bad_images, self.substitute = skip_bad_images, [], True
         self.skipped = multiprocessing.Value("l", 0)
 
     def __getitem__(self, index):
@@ -404,6 +407,8 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
             except BadImageError as e:
                 if not self.skip_bad_images:
                     raise BadImageError(f"{e} (pass --skip_bad_images to skip unreadable files)") from None
+                if not self.substitute:
+                    raise
                 self.bad_images.append(self.samples[i][0])
                 with self.skipped.get_lock():
                     self.skipped.value += 1
@@ -663,6 +668,17 @@ def ignore_preemption_signals(_worker_id):
     checkpoint; ignoring it lets the training process finish its step, save and shut the workers."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+
+
+@atexit.register  # registered after multiprocessing's exit handler, so it runs before it
+def end_loader_workers():
+    """At exit, a loader worker still alive (an error left its loader's iterator undeleted) ignores
+    the SIGTERM of multiprocessing's exit handler, which would then wait for it forever: SIGKILL
+    (without torch's SIGCHLD handler, which would report the worker's death as an error)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 _preemption_signal = None

@@ -32,12 +32,14 @@ Where this file differs from the authors' eval_knn.py:
 """
 import argparse
 import re
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image
 
 import common
 
@@ -195,17 +197,30 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
 # Features, extracted in parallel and gathered by dataset index
 # ================================================================================================
 class IndexedDataset(torch.utils.data.Dataset):
-    """(transform(image), label, index) so that rows computed by any process land at their index."""
+    """(transform(image), label, index) so that rows computed by any process land at their index.
+    An unreadable image (with --skip_bad_images) comes as a blank image with label -1, and its
+    row is dropped (`SKIPPED`): evaluation must not count a neighbour's image and label instead."""
 
     def __init__(self, base, transform):
         self.base, self.transform = base, transform
+        if isinstance(base, common.ImageFolderSafe):
+            base.substitute = False
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, index):
-        image, label = self.base[index]
+        try:
+            image, label = self.base[index]
+        except common.BadImageError as e:
+            if not getattr(self.base, "skip_bad_images", False):
+                raise
+            print(f"warning: skipping {e}", file=sys.stderr)
+            return self.transform(Image.new("RGB", (1, 1))), SKIPPED, index
         return self.transform(image), label, index
+
+
+SKIPPED = -1  # the label of an unreadable image's row
 
 
 def all_gather_rows(*tensors):
@@ -253,7 +268,13 @@ def extract_features(model, dataset, transform, args, device):
             labels = torch.zeros(len(dataset), dtype=torch.long, device=where)
         features[index.to(features.device)] = feats.to(features.device)  # sampler padding: a repeated row
         labels[index.to(labels.device)] = targets.to(labels.device)
-    return (F.normalize(features, dim=1, p=2), labels) if features is not None else (None, None)
+    if features is None:
+        return None, None
+    readable = labels != SKIPPED
+    if not readable.all():
+        common.log(f"skipped {int((~readable).sum())} unreadable images (--skip_bad_images): left out, "
+                   f"image and label")
+    return F.normalize(features[readable], dim=1, p=2), labels[readable]
 
 
 # ================================================================================================
@@ -315,6 +336,7 @@ def main(args):
         return None
 
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    common.log(f"k-NN over {len(train_labels)} train and {len(test_labels)} test images")
     results = {}
     if max(args.nb_knn) > len(train_labels):
         common.die(f"--nb_knn {max(args.nb_knn)} is more than the {len(train_labels)} train images; "
@@ -328,4 +350,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    with common.user_errors():
+        main(get_args_parser().parse_args())

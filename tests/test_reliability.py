@@ -1,6 +1,7 @@
 """Reliability of the training scripts: exact resume (epoch boundary and mid-epoch), 1-process vs
 2-process equality, preemption by signal, and bad input. Every run is a real subprocess on the
 `synthetic` data (tiny sizes, CPU)."""
+import json
 import os
 import shutil
 import signal
@@ -410,3 +411,52 @@ def test_more_neighbours_than_train_images_is_refused(tmp_path):
             "--nb_knn", "10", "200")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--nb_knn 200 is more than the 16 train images" in last_line(r)
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation scripts: unreadable images, probes trained on other weights
+# ------------------------------------------------------------------------------------------------
+EVAL_FOLDER = ["--random_init", "--arch", "vit_pico", "--dataset", "folder", "--resize", "32", "--crop", "32",
+               "--batch_size_per_gpu", "4", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def eval_folder(tmp_path_factory):
+    """train/: 17 readable images; val/: the same 17 and one truncated JPEG."""
+    root = tmp_path_factory.mktemp("eval_data")
+    make_folder(root / "train", bad=False)
+    make_folder(root / "val", bad=True)
+    return root
+
+
+@pytest.mark.parametrize("script", ["eval_knn.py", "eval_linear.py"])
+def test_eval_unreadable_image_is_one_line(eval_folder, tmp_path, script):
+    extra = ["--nb_knn", "5"] if script == "eval_knn.py" else ["--epochs", "1", "--output_dir", str(tmp_path)]
+    r = run(script, *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "1", *extra)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = last_line(r)
+    assert line.startswith("error: cannot read image") and "truncated.jpg" in line and "--skip_bad_images" in line
+
+
+def test_eval_knn_drops_unreadable_images_with_their_labels(eval_folder):
+    r = run("eval_knn.py", *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "0", "--nb_knn", "5",
+            "--skip_bad_images")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipped 1 unreadable images" in r.stdout and "truncated.jpg" in r.stderr
+    assert "k-NN over 17 train and 17 test images" in r.stdout     # not 18: no neighbour stands in for it
+
+
+def test_eval_linear_drops_unreadable_images_and_refuses_a_probe_of_other_weights(eval_folder, tmp_path):
+    args = [*EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "0", "--skip_bad_images",
+            "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path)]
+    r = run("eval_linear.py", *args, "--epochs", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads((tmp_path / "log.txt").read_text().splitlines()[-1])
+    assert (record["val_images"], record["val_skipped_images"]) == (17, 1)
+    # the same folder, other weights (another random initialisation): the old probe is not reported
+    r = run("eval_linear.py", *args, "--epochs", "2", "--seed", "1")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "holds a linear probe trained on other weights" in last_line(r)
+    r = run("eval_linear.py", *args, "--epochs", "2")           # the same weights: resumed
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
