@@ -166,6 +166,12 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
     # dict, an authors' checkpoint), or "random" (no file)
     method = ckpt["method"] if full else "random" if ckpt is None else "external"
     info = {"method": method, "arch": arch, "patch_size": patch_size, "window_size": window_size}
+    build = {}
+    if method == "drloc":  # one supervised network, built at its training size (Swin: the window and
+        # its relative-position table shrink to stages smaller than 7 tokens) and LayerNorm eps
+        checkpoint_key = "model" if checkpoint_key == "teacher" else checkpoint_key
+        build = dict(img_size=ckpt_args.get("input_size", 224),
+                     layer_norm_eps=1e-5 if common.ARCHS[arch]["family"] == "swin" else 1e-6)
 
     state = ckpt
     if isinstance(ckpt, dict) and checkpoint_key in ckpt:
@@ -180,7 +186,7 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
             common.load_state_dict_strict(model, state, what=f"selfpatch {checkpoint_key}")
         model = ImageToken(model)
     else:
-        model = common.build_backbone(arch, patch_size, window_size, drop_path_rate=0.0)
+        model = common.build_backbone(arch, patch_size, window_size, drop_path_rate=0.0, **build)
         if state is not None and not random_init:
             state, ignored = backbone_state_dict(state)
             if ignored:
