@@ -39,7 +39,11 @@ Where the paper's text and the authors' code differ, this file follows the code:
     plus the last stage: at 224 px, Swin-T grids of 28, 14, 7 and 7;
   * ViT grids are average-pooled with AvgPool2d(3, stride 2, padding 1, count_include_pad=False)
     (the paper: "2 x 2 average pooling"; the T2T code pools its post-norm grid, here every
-    backbone uses the pre-norm grid);
+    backbone uses the pre-norm grid); the grid is always pooled (14 x 14 -> 7 x 7 at 224 px),
+    where the authors' ViT-B uses its unpooled 14 x 14 grid;
+  * the lr follows its cosine to --min_lr over --epochs, where the authors' 100-epoch runs stop
+    a 300-epoch schedule at epoch 100 (about 0.75 x the peak lr at the end);
+  * the authors train in fp16 (mixed precision); here the precision is --precision's choice;
   * the supervised recipe is Swin's: AdamW, lr 5e-4 x batch / 512, weight decay 0.05 (not on
     biases, norms and position tables), global-norm gradient clipping 5.0, RandAugment, random
     erasing 0.25, Mixup 0.8 / CutMix 1.0 with label smoothing 0.1, LayerNorm eps 1e-5.
@@ -95,15 +99,15 @@ def get_args_parser():
     g.add_argument("--drloc_pairs", default=64, type=common.POSITIVE_INT,
                    help="m, pairs sampled per image (the paper: 64 beats 32, 128 and 256 on CIFAR-100)")
     g.add_argument("--drloc_normalize", default=False, type=common.bool_flag,
-                   help="normalised targets in [0, 1] (l1 modes only) instead of the code's integer offsets; "
-                        "lower the loss scale by about k/2, so retune --lambda_drloc")
+                   help="normalised targets in [0, 1] (l1 modes only) instead of the code's integer offsets: "
+                        "divided by k-1 (abs) or 2(k-1) (signed), and so is the loss; retune --lambda_drloc")
 
     g = p.add_argument_group("supervised training")
     g.add_argument("--input_size", default=224, type=common.POSITIVE_INT,
                    help="image side in pixels; the paper resizes every dataset to 224 (Swin: 7 x 7 final grid)")
     g.add_argument("--pretrained", default="", type=str,
-                   help="backbone weights to fine-tune from (timm or official Swin keys); the paper's "
-                        "fine-tuning recipe: --lr 5e-4 --warmup_epochs 10")
+                   help="backbone weights to fine-tune from (timm or official Swin keys); the paper gives no "
+                        "fine-tuning lr and the authors' script has one recipe: the defaults apply")
     g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", type=str, help="timm RandAugment policy ('' = none)")
     g.add_argument("--reprob", default=0.25, type=common.FRACTION, help="random erasing probability")
     g.add_argument("--mixup", default=0.8, type=common.NONNEGATIVE, help="mixup alpha (0 with --cutmix 0 = no mixing)")
@@ -115,13 +119,14 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=128, type=common.POSITIVE_INT,
                    help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT)
+    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT, help="training epochs (the paper's from-scratch and fine-tuning runs: 100)")
     g.add_argument("--lr", default=5e-4, type=common.NONNEGATIVE, help="peak lr at total batch 512 (linear scaling)")
     g.add_argument("--warmup_lr", default=5e-7, type=common.NONNEGATIVE, help="lr at the first step, at total batch 512")
     g.add_argument("--min_lr", default=5e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine, at total batch 512")
     g.add_argument("--warmup_epochs", default=20, type=common.COUNT,
                    help="linear lr warmup (from scratch 20, fine-tuning 10)")
-    g.add_argument("--weight_decay", default=0.05, type=common.NONNEGATIVE)
+    g.add_argument("--weight_decay", default=0.05, type=common.NONNEGATIVE,
+                   help="AdamW weight decay (not on biases, norms and position tables)")
     g.add_argument("--clip_grad", default=5.0, type=common.NONNEGATIVE, help="global gradient-norm clip (0 = off)")
 
     common.add_data_args(p)

@@ -59,7 +59,7 @@ def get_args_parser():
     g.add_argument("--avgpool_patchtokens", default=False, type=common.bool_flag,
                    help="add the mean of the patch tokens to the CLS token (ViT only, with "
                         "--n_last_blocks 1; the paper's choice for ViT-B)")
-    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT)
+    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT, help="epochs of the linear probe (the authors: 100)")
     g.add_argument("--lr", default=0.001, type=common.NONNEGATIVE,
                    help="lr at total batch 256 (linear scaling); the paper sweeps it for each model")
     g.add_argument("--val_freq", default=1, type=common.POSITIVE_INT, help="validate every N epochs (and after the last)")

@@ -418,6 +418,9 @@ def test_drloc_checkpoint_is_evaluated_by_eval_knn_at_its_training_size(drloc_un
             assert torch.equal(v, state[f"backbone.{k}"]), k
     assert model.norm.eps == 1e-5
     assert model(torch.zeros(2, 3, 64, 64)).shape == (2, model.num_features)
+    # backbone.pth alone does not record the size: its smaller tables are a one-line mismatch
+    with pytest.raises(SystemExit, match="does not match the checkpoint.*relative_position_bias_table"):
+        eval_knn.load_backbone(str(drloc_uninterrupted / "backbone.pth"), arch="swin_pico")
 
 
 # Runs a training script that, at its n-th preemption check, waits (up to a minute) for a real

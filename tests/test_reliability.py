@@ -460,3 +460,24 @@ def test_eval_linear_drops_unreadable_images_and_refuses_a_probe_of_other_weight
     r = run("eval_linear.py", *args, "--epochs", "2")           # the same weights: resumed
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout
+
+
+def test_every_argument_has_help_and_the_drloc_normalize_help_names_its_divisor():
+    import importlib
+    for script in ("dino", "esvit", "glsd", "selfpatch", "drloc", "eval_knn", "eval_linear"):
+        parser = importlib.import_module(script).get_args_parser()
+        assert [a.dest for a in parser._actions if not a.help] == [], script
+    import drloc
+    normalize = next(a for a in drloc.get_args_parser()._actions if a.dest == "drloc_normalize")
+    assert "k-1" in normalize.help and "k/2" not in normalize.help
+
+
+def test_selfpatch_teacher_backbone_alone_is_a_one_line_mismatch(tmp_path):
+    """SelfPatch's backbone has no CLS token and no final norm: its image token needs the
+    aggregation module of checkpoint.pth."""
+    import common
+    import eval_knn
+    backbone = common.build_backbone("vit_pico", class_token=False, final_norm=False)
+    torch.save(backbone.state_dict(), tmp_path / "teacher_backbone.pth")
+    with pytest.raises(SystemExit, match=r"does not match the checkpoint.*missing: \[cls_token, norm.weight"):
+        eval_knn.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch="vit_pico")
