@@ -849,8 +849,7 @@ def load_state_dict_strict(module, state_dict, what="model"):
 
 def load_checkpoint(path):
     if Path(path).stat().st_size == 0:
-        die(f"checkpoint {path} is empty (0 bytes): it was not written by an atomic save (copied or "
-            f"truncated?); delete it to start afresh")
+        die(f"checkpoint {path} is empty (0 bytes: a truncated copy?); replace it, or delete it to start afresh")
     try:  # the authors' full checkpoints store their args as an argparse.Namespace
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -891,7 +890,8 @@ def start_training(args, method):
     """Start-up of a training script, before anything is written to --output_dir: the crop sizes
     (`check_crop_sizes`) and the checkpoint to resume from: written by this method, readable, and
     trained with the same arguments (`check_resumed_args`). Then removes this script's own stale
-    temporary files and writes args.json. Returns the checkpoint to resume from, or None."""
+    temporary files. Returns the checkpoint to resume from, or None. The script writes args.json
+    (`save_args`) once the rest of its start-up (data, model) has passed too."""
     if hasattr(args, "global_crop_size"):   # DRLoc checks its --input_size itself
         check_crop_sizes(args)
     path = Path(args.output_dir) / "checkpoint.pth"
