@@ -886,6 +886,14 @@ def check_crop_sizes(args):
                 f"use e.g. {max(stride, size // stride * stride)}")
 
 
+def check_eval_crop(crop, arch, patch_size):
+    """Evaluation crops: a ViT needs whole patches (a Swin pads its token maps, which DRLoc's
+    small-image runs rely on)."""
+    if ARCHS[arch]["family"] == "vit" and crop % patch_size:
+        die(f"--crop {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
+            f"use e.g. {max(patch_size, crop // patch_size * patch_size)}")
+
+
 def start_training(args, method):
     """Start-up of a training script, before anything is written to --output_dir: the crop sizes
     (`check_crop_sizes`) and the checkpoint to resume from: written by this method, readable, and

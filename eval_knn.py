@@ -325,8 +325,9 @@ def main(args):
         train_features, train_labels, test_features, test_labels = (
             torch.load(folder / name, map_location="cpu", weights_only=True) for name in FEATURE_FILES)
     else:
-        model, _info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                     args.window_size, args.random_init)
+        model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
+                                    args.window_size, args.random_init)
+        common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
         model.to(device)
         transform = common.eval_transform(args.resize, args.crop)
         train_set, test_set = common.build_dataset(args, train=True), common.build_dataset(args, train=False)

@@ -242,6 +242,7 @@ def main(args):
     # ---- frozen backbone; the linear probe's input size from one dry run
     model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
                                 args.window_size, args.random_init)
+    common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
     identity = weights_identity(model, args)
     model.to(device)
     check_feature_args(model, args)

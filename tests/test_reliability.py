@@ -405,6 +405,15 @@ def test_numeric_arguments_out_of_range_are_refused_at_parse_time(capsys, script
     assert f"argument {flag}:" in last and ("out of range" in last or "expected" in last)
 
 
+@pytest.mark.parametrize("script", ["eval_knn.py", "eval_linear.py"])
+def test_eval_crop_that_is_not_a_multiple_of_the_patch_is_one_line(script, tmp_path):
+    extra = ["--output_dir", str(tmp_path)] if script == "eval_linear.py" else []
+    r = run(script, "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--resize", "36", "--crop", "36",
+            "--device", "cpu", *extra)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--crop 36 is not a multiple of the vit_pico patch size (16 px); use e.g. 32" in last_line(r)
+
+
 def test_more_neighbours_than_train_images_is_refused(tmp_path):
     r = run("eval_knn.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "16",
             "--synthetic_image_size", "32", "--resize", "32", "--crop", "32", "--num_workers", "0", "--device", "cpu",
