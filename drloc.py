@@ -39,14 +39,16 @@ Where the paper's text and the authors' code differ, this file follows the code:
     plus the last stage: at 224 px, Swin-T grids of 28, 14, 7 and 7;
   * ViT grids are average-pooled with AvgPool2d(3, stride 2, padding 1, count_include_pad=False)
     (the paper: "2 x 2 average pooling"; the T2T code pools its post-norm grid, here every
-    backbone uses the pre-norm grid); the grid is always pooled (14 x 14 -> 7 x 7 at 224 px),
-    where the authors' ViT-B uses its unpooled 14 x 14 grid;
-  * the lr follows its cosine to --min_lr over --epochs, where the authors' 100-epoch runs stop
-    a 300-epoch schedule at epoch 100 (about 0.75 x the peak lr at the end);
-  * the authors train in fp16 (mixed precision); here the precision is --precision's choice;
+    backbone uses the pre-norm grid);
   * the supervised recipe is Swin's: AdamW, lr 5e-4 x batch / 512, weight decay 0.05 (not on
     biases, norms and position tables), global-norm gradient clipping 5.0, RandAugment, random
     erasing 0.25, Mixup 0.8 / CutMix 1.0 with label smoothing 0.1, LayerNorm eps 1e-5.
+Where this file departs from the authors' code:
+  * a ViT grid is always pooled (14 x 14 -> 7 x 7 at 224 px), where the authors' ViT-B uses its
+    unpooled 14 x 14 grid;
+  * the lr follows its cosine down to --min_lr over --epochs, where the authors' 100-epoch runs
+    stop a 300-epoch schedule at epoch 100 (about 0.75 x the peak lr at the end);
+  * the authors train in fp16 (mixed precision); here the precision is --precision's choice.
 Other choices of this file: the pairs are gathered with one tensor index, not a loop over images;
 the exhaustive partners come from an argsort of uniform noise (a random permutation per image);
 the pairs of a training step come from a generator seeded by (seed, epoch, step), not from each
