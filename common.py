@@ -15,6 +15,7 @@ Sections, top to bottom:
                     extras/eval_correspondence.py and the training scripts' --monitor_correspondence)
 """
 import argparse
+import atexit
 import contextlib
 import gzip
 import itertools
@@ -470,12 +471,14 @@ def user_errors():
 
 class ImageFolderSafe(tv_datasets.ImageFolder):
     """ImageFolder with `load_image`; with `skip_bad_images`, an unreadable file is replaced by the
-    next readable one instead of stopping the run. Skipped files are listed in `bad_images` (this
-    process) and counted in `skipped`, a counter shared with the loader's worker processes."""
+    next readable one instead of stopping the run (for training). Skipped files are listed in
+    `bad_images` (this process) and counted in `skipped`, a counter shared with the loader's worker
+    processes. With `substitute = False` (evaluation) the error goes to the caller, which drops the
+    sample: a neighbour's image and label would bias the accuracy."""
 
     def __init__(self, root, skip_bad_images=False):
         super().__init__(root, loader=load_image)
-        self.skip_bad_images, self.bad_images = skip_bad_images, []
+        self.skip_bad_images, self.bad_images, self.substitute = skip_bad_images, [], True
         self.skipped = multiprocessing.Value("l", 0)
 
     def __getitem__(self, index):
@@ -486,6 +489,8 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
             except BadImageError as e:
                 if not self.skip_bad_images:
                     raise BadImageError(f"{e} (pass --skip_bad_images to skip unreadable files)") from None
+                if not self.substitute:
+                    raise
                 self.bad_images.append(self.samples[i][0])
                 with self.skipped.get_lock():
                     self.skipped.value += 1
@@ -760,8 +765,28 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                                          pin_memory=torch.cuda.is_available(), drop_last=train,
                                          persistent_workers=num_workers > 0,
-                                         generator=torch.Generator().manual_seed(seed))
+                                         generator=torch.Generator().manual_seed(seed),
+                                         worker_init_fn=ignore_preemption_signals)
     return loader, sampler
+
+
+def ignore_preemption_signals(_worker_id):
+    """In a loader worker: SLURM and torchrun send the preemption signal to every process of the
+    job, workers included. A worker killed by it would take its training process down before the
+    checkpoint; ignoring it lets the training process finish its step, save and shut the workers."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@atexit.register  # registered after multiprocessing's exit handler, so it runs before it
+def end_loader_workers():
+    """At exit, a loader worker still alive (an error left its loader's iterator undeleted) ignores
+    the SIGTERM of multiprocessing's exit handler, which would then wait for it forever: SIGKILL
+    (without torch's SIGCHLD handler, which would report the worker's death as an error)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 _preemption_signal = None
@@ -1014,11 +1039,109 @@ def load_state_dict_strict(module, state_dict, what="model"):
 
 
 def load_checkpoint(path):
+    if Path(path).stat().st_size == 0:
+        die(f"checkpoint {path} is empty (0 bytes: a truncated copy?); replace it, or delete it to start afresh")
     try:  # the authors' full checkpoints store their args as an argparse.Namespace
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        die(f"cannot load checkpoint {path}: {e}")
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        die(f"checkpoint {path} cannot be read ({Path(path).stat().st_size} bytes: truncated, or not a "
+            f"PyTorch file?): {reason}")
+
+
+# Arguments that may differ when a run is resumed: where and how it runs, not what it learns.
+# --epochs may change too (the schedules follow the new length), but not below the epochs done.
+RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_images", "saveckp_freq",
+                 "save_every_iters", "precision", "monitor_correspondence", "val_subset", "allow_changed_args"}
+
+
+def check_crop_sizes(args):
+    """One rule for every self-supervised script: each crop is tiled exactly by the last tokens.
+    Otherwise a ViT stops deep inside timm, and a Swin silently pads its token maps with zeros
+    (averaged into the global feature, and off the crop's geometry)."""
+    stride = token_stride(args.arch, args.patch_size)
+    sizes = {"--global_crop_size": args.global_crop_size}
+    if args.local_crops_number:
+        sizes["--local_crop_size"] = args.local_crop_size
+    for flag, size in sizes.items():
+        if size % stride:
+            die(f"{flag} {size} is not a multiple of the {args.arch} token stride ({stride} px); "
+                f"use e.g. {max(stride, size // stride * stride)}")
+
+
+def check_eval_crop(crop, arch, patch_size):
+    """Evaluation crops: a ViT needs whole patches (a Swin pads its token maps, which DRLoc's
+    small-image runs rely on)."""
+    if ARCHS[arch]["family"] == "vit" and crop % patch_size:
+        die(f"--crop {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
+            f"use e.g. {max(patch_size, crop // patch_size * patch_size)}")
+
+
+def start_training(args, method):
+    """Start-up of a training script, before anything is written to --output_dir: the crop sizes
+    (`check_crop_sizes`) and the checkpoint to resume from: written by this method, readable, and
+    trained with the same arguments (`check_resumed_args`). Then removes this script's own stale
+    temporary files. Returns the checkpoint to resume from, or None. The script writes args.json
+    (`save_args`) once the rest of its start-up (data, model) has passed too."""
+    if hasattr(args, "global_crop_size"):   # DRLoc checks its --input_size itself
+        check_crop_sizes(args)
+    path = Path(args.output_dir) / "checkpoint.pth"
+    ckpt = None
+    if path.exists():
+        ckpt = load_checkpoint(path)
+        written_by = ckpt.get("method") if isinstance(ckpt, dict) else None
+        if written_by != method:
+            who = f"{written_by}.py" if written_by else "another program"
+            die(f"{path} was written by {who}, not {method}.py: give {method}.py its own --output_dir "
+                f"(default runs/{method})")
+        check_resumed_args(ckpt, args, path)
+    if is_main_process():
+        remove_stale_temporaries(args.output_dir)
+    return ckpt
+
+
+def check_resumed_args(ckpt, args, path):
+    """Refuse to resume with arguments that change what is trained (architecture, head, crops, lr,
+    batch, ...): one line naming each difference. --allow_changed_args resumes anyway."""
+    old, new = ckpt.get("args", {}), vars(args)
+    changed = [k for k in sorted(old.keys() & new.keys())
+               if k not in RUN_ONLY_ARGS and k != "epochs" and as_plain(old[k]) != as_plain(new[k])]
+    if changed and not args.allow_changed_args:
+        die(f"{path} was trained with other arguments: "
+            + ", ".join(f"--{k} {as_plain(old[k])} (now {as_plain(new[k])})" for k in changed)
+            + "; run with the checkpoint's values, another --output_dir, or --allow_changed_args")
+    if changed:
+        log(f"warning: resuming with changed arguments (--allow_changed_args): {', '.join(changed)}")
+    if ckpt.get("epoch", 0) > args.epochs:
+        die(f"{path} has already trained {ckpt['epoch']} epochs, more than --epochs {args.epochs}")
+    if "epochs" in old and old["epochs"] != args.epochs:
+        log(f"--epochs changed from {old['epochs']} to {args.epochs}: the schedules follow the new length")
+
+
+def as_plain(value):
+    """Tuples and lists compare alike (args.json and checkpoints store tuples as lists)."""
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def remove_stale_temporaries(output_dir):
+    """Delete the temporary files that `save_checkpoint` of a killed process (kill -9, a node
+    failure) left behind; those of a process still alive are kept."""
+    for tmp in Path(output_dir).glob(".*.pth.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            log(f"removed {tmp}, left by an interrupted checkpoint write")
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def restore(checkpoint, **objects):
@@ -1074,34 +1197,62 @@ def bool_flag(s):
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
 
 
+def ranged(kind, low=None, high=None, low_open=False):
+    """An argparse type: a number of `kind` (int or float) in [low, high] (low excluded with
+    low_open; None = unbounded), so that a value out of range is one line at parse time."""
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf)' if high is None else f'{high}]'}")
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high) or value != value:  # value != value: NaN
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected a value in {bounds}")
+        return value
+    parse.__name__ = f"{kind.__name__} in {bounds}"
+    return parse
+
+
+POSITIVE_INT = ranged(int, 1)                     # sizes, batches, epochs
+COUNT = ranged(int, 0)                            # 0 allowed: "none" or "off"
+POSITIVE = ranged(float, 0, low_open=True)        # temperatures
+NONNEGATIVE = ranged(float, 0)                    # learning rates, weight decay, loss weights
+FRACTION = ranged(float, 0, 1)                    # momenta, probabilities, rates
+AREA_FRACTION = ranged(float, 0, 1, low_open=True)  # crop scales
+
+
 def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     g = parser.add_argument_group("backbone")
     g.add_argument("--arch", default=arch, choices=list(ARCHS),
                    help="ViT (DINO Table 8) or Swin (EsViT Table 6); *_pico are tiny CPU test models")
-    g.add_argument("--patch_size", default=16, type=int,
+    g.add_argument("--patch_size", default=16, type=POSITIVE_INT,
                    help="ViT patch size: 16 or 8 (smaller patches are much better and much slower), or any "
                         "divisor of the crops for small images (4 at 32 px); a Swin's patch is set by --arch")
-    g.add_argument("--window_size", default=7, type=int,
+    g.add_argument("--window_size", default=7, type=POSITIVE_INT,
                    help="Swin window size (7, or 14 for full attention in the last two stages)")
     g.add_argument("--fit_window", default=False, type=bool_flag,
                    help="small images: shrink each Swin stage's window to the largest size <= --window_size that "
                         "tiles the token grid of every crop, so that no attention goes to padding")
-    g.add_argument("--drop_path_rate", default=drop_path_rate, type=float, help="stochastic depth of the student")
+    g.add_argument("--drop_path_rate", default=drop_path_rate, type=FRACTION, help="stochastic depth of the student")
     return g
 
 
 def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4),
                        local_crops_number=8):
     g = parser.add_argument_group("multi-crop augmentation")
-    g.add_argument("--global_crops_scale", type=float, nargs=2, default=global_crops_scale,
+    g.add_argument("--global_crops_scale", type=AREA_FRACTION, nargs=2, default=global_crops_scale,
                    help="area range of the 2 global crops (DINO advises a wide range, e.g. (0.14, 1) "
                         "without local crops)")
-    g.add_argument("--local_crops_number", type=int, default=local_crops_number,
+    g.add_argument("--local_crops_number", type=COUNT, default=local_crops_number,
                    help="number of small local crops (0 disables multi-crop)")
-    g.add_argument("--local_crops_scale", type=float, nargs=2, default=local_crops_scale,
+    g.add_argument("--local_crops_scale", type=AREA_FRACTION, nargs=2, default=local_crops_scale,
                    help="area range of the local crops")
-    g.add_argument("--global_crop_size", type=int, default=224, help="pixels")
-    g.add_argument("--local_crop_size", type=int, default=96, help="pixels")
+    g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
+    g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
     return g
 
 
@@ -1110,32 +1261,35 @@ def add_data_args(parser):
     g.add_argument("--dataset", default="folder", choices=DATASETS,
                    help="folder = an ImageFolder at --data_path; synthetic = procedural shapes, no files")
     g.add_argument("--data_path", default=None, type=str, help="image folder, or a dataset's local root")
-    g.add_argument("--synthetic_images", default=2000, type=int, help="size of the synthetic train split")
-    g.add_argument("--synthetic_image_size", default=64, type=int, help="side of synthetic images (pixels)")
-    g.add_argument("--synthetic_seed", default=0, type=int, help="which synthetic dataset to draw")
-    g.add_argument("--holdout", default=0, type=int,
+    g.add_argument("--synthetic_images", default=2000, type=POSITIVE_INT, help="size of the synthetic train split")
+    g.add_argument("--synthetic_image_size", default=64, type=POSITIVE_INT, help="side of synthetic images (pixels)")
+    g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic dataset to draw")
+    g.add_argument("--holdout", default=0, type=COUNT,
                    help="carve a validation split off the train split: its last N images. Training then "
                         "uses the others, and evaluation uses the N as its test split and the others as "
                         "its train split (the k-NN bank), so hyperparameters are chosen without the test set")
     g.add_argument("--skip_bad_images", action="store_true",
                    help="skip unreadable image files (logged and counted) instead of stopping")
-    g.add_argument("--num_workers", default=10, type=int, help="data loader processes per GPU/process")
+    g.add_argument("--num_workers", default=10, type=COUNT, help="data loader processes per GPU/process")
     return g
 
 
 def add_head_size_args(group):
     """The DINO head's MLP sizes. The authors fix 2048 / 256; a tiny CPU backbone (64-dim) trains
     several times more steps per minute with a head sized like itself."""
-    group.add_argument("--head_hidden_dim", default=2048, type=int, help="width of the head's hidden MLP layers")
-    group.add_argument("--head_bottleneck_dim", default=256, type=int,
+    group.add_argument("--head_hidden_dim", default=2048, type=POSITIVE_INT, help="width of the head's hidden MLP layers")
+    group.add_argument("--head_bottleneck_dim", default=256, type=POSITIVE_INT,
                        help="width of the l2-normalised bottleneck before the K-way last layer")
 
 
 def add_run_args(parser, saveckp_freq=20):
     g = parser.add_argument_group("run")
-    g.add_argument("--output_dir", default=".", type=str, help="checkpoints and logs; a run resumes from here")
-    g.add_argument("--saveckp_freq", default=saveckp_freq, type=int, help="keep a copy every N epochs")
-    g.add_argument("--seed", default=0, type=int, help="seeds weights, data order and augmentations")
+    g.add_argument("--output_dir", default=f"runs/{Path(parser.prog).stem}", type=str,
+                   help="checkpoints and logs; a run resumes from here")
+    g.add_argument("--allow_changed_args", action="store_true",
+                   help="resume although arguments that change what is trained differ from the checkpoint's")
+    g.add_argument("--saveckp_freq", default=saveckp_freq, type=COUNT, help="keep a copy every N epochs")
+    g.add_argument("--seed", default=0, type=COUNT, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                    help="autocast dtype. auto: bf16 on GPUs with native bf16, else fp16 with a grad scaler (as "
@@ -1143,10 +1297,10 @@ def add_run_args(parser, saveckp_freq=20):
                         "for the *_pico models, else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an "
                         "AVX2-only CPU); the choice and its reason are logged. fp16 uses a grad scaler (on CPU "
                         "only for testing: slow)")
-    g.add_argument("--save_every_iters", default=0, type=int,
+    g.add_argument("--save_every_iters", default=0, type=COUNT,
                    help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
                         "resumes at the next unseen batch")
-    g.add_argument("--max_steps_per_epoch", default=0, type=int,
+    g.add_argument("--max_steps_per_epoch", default=0, type=COUNT,
                    help="stop each epoch after N steps (0 = full epoch); for smoke tests")
     return g
 
@@ -1167,24 +1321,24 @@ def add_weights_args(parser):
                         "--pretrained_weights, the architecture of that checkpoint)")
     g.add_argument("--arch", default="vit_small", choices=list(ARCHS),
                    help="architecture of a plain state dict (full checkpoints record their own)")
-    g.add_argument("--patch_size", default=16, type=int, help="ViT patch size of a plain state dict")
-    g.add_argument("--window_size", default=7, type=int, help="Swin window size of a plain state dict")
+    g.add_argument("--patch_size", default=16, type=POSITIVE_INT, help="ViT patch size of a plain state dict")
+    g.add_argument("--window_size", default=7, type=POSITIVE_INT, help="Swin window size of a plain state dict")
     return g
 
 
 def add_eval_data_args(parser, batch_size=128):
     g = add_data_args(parser)
-    g.add_argument("--resize", default=256, type=int, help="shorter side after resizing (bicubic)")
-    g.add_argument("--crop", default=224, type=int, help="side of the center crop; for small datasets, "
+    g.add_argument("--resize", default=256, type=POSITIVE_INT, help="shorter side after resizing (bicubic)")
+    g.add_argument("--crop", default=224, type=POSITIVE_INT, help="side of the center crop; for small datasets, "
                                                           "e.g. --resize 64 --crop 64 on 64-px images")
-    g.add_argument("--batch_size_per_gpu", default=batch_size, type=int, help="images per process")
+    g.add_argument("--batch_size_per_gpu", default=batch_size, type=POSITIVE_INT, help="images per process")
     return g
 
 
 def add_eval_run_args(parser):
     g = parser.add_argument_group("run")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    g.add_argument("--seed", default=0, type=int, help="seeds --random_init (and eval_linear's data order)")
+    g.add_argument("--seed", default=0, type=COUNT, help="seeds --random_init (and eval_linear's data order)")
     return g
 
 
@@ -1332,6 +1486,8 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
     elif not random_init:
         die("give --pretrained_weights (a checkpoint to evaluate) or --random_init (a baseline)")
     full = isinstance(ckpt, dict) and "args" in ckpt and "method" in ckpt  # written by this repository
+    if full and ckpt["method"] == "drloc" and checkpoint_key == "teacher":
+        checkpoint_key = "model"       # DRLoc trains one supervised network
     state = ckpt
     if isinstance(ckpt, dict) and checkpoint_key in ckpt:
         state = ckpt[checkpoint_key]
@@ -1374,17 +1530,30 @@ def dense_backbone(model):
     return model.backbone if isinstance(model, PooledViT) else model
 
 
+SKIPPED = -1  # the label of an unreadable image's row in evaluation
+
+
 class IndexedDataset(torch.utils.data.Dataset):
-    """(transform(image), label, index) so that rows computed by any process land at their index."""
+    """(transform(image), label, index) so that rows computed by any process land at their index.
+    An unreadable image (with --skip_bad_images) comes as a blank image with label SKIPPED, and
+    evaluation drops its row: it must not count a neighbour's image and label instead."""
 
     def __init__(self, base, transform):
         self.base, self.transform = base, transform
+        if isinstance(base, ImageFolderSafe):
+            base.substitute = False
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, index):
-        image, label = self.base[index]
+        try:
+            image, label = self.base[index]
+        except BadImageError as e:
+            if not getattr(self.base, "skip_bad_images", False):
+                raise
+            print(f"warning: skipping {e}", file=sys.stderr)
+            return self.transform(Image.new("RGB", (1, 1))), SKIPPED, index
         return self.transform(image), label, index
 
 

@@ -43,6 +43,12 @@ Where the paper's text and the authors' code differ, this file follows the code:
   * the supervised recipe is Swin's: AdamW, lr 5e-4 x batch / 512, weight decay 0.05 (not on
     biases, norms and position tables), global-norm gradient clipping 5.0, RandAugment, random
     erasing 0.25, Mixup 0.8 / CutMix 1.0 with label smoothing 0.1, LayerNorm eps 1e-5.
+Where this file departs from the authors' code:
+  * a ViT grid is always pooled (14 x 14 -> 7 x 7 at 224 px), where the authors' ViT-B uses its
+    unpooled 14 x 14 grid;
+  * the lr follows its cosine down to --min_lr over --epochs, where the authors' 100-epoch runs
+    stop a 300-epoch schedule at epoch 100 (about 0.75 x the peak lr at the end);
+  * the authors train in fp16 (mixed precision); here the precision is --precision's choice.
 Other choices of this file: the pairs are gathered with one tensor index, not a loop over images;
 the exhaustive partners come from an argsort of uniform noise (a random permutation per image);
 the pairs of a training step come from a generator seeded by (seed, epoch, step), not from each
@@ -84,47 +90,50 @@ def get_args_parser():
     common.add_backbone_args(p, arch="swin_tiny", drop_path_rate=0.2)
 
     g = p.add_argument_group("DRLoc loss")
-    g.add_argument("--lambda_drloc", default=0.5, type=float,
+    g.add_argument("--lambda_drloc", default=0.5, type=common.NONNEGATIVE,
                    help="weight of L_drloc: 0.5 for Swin, 0.1 for T2T/CvT-like models; 0 = plain supervised baseline")
     g.add_argument("--lambda_schedule", default="warmup_decay", choices=["warmup_decay", "constant"],
                    help="warmup_decay (the authors' code): linear 0 -> lambda over --lambda_warmup_epochs, then "
                         "linear decay towards 0 at the last epoch; constant: the paper's text")
-    g.add_argument("--lambda_warmup_epochs", default=20, type=int, help="epochs of lambda warmup (warmup_decay)")
+    g.add_argument("--lambda_warmup_epochs", default=20, type=common.COUNT, help="epochs of lambda warmup (warmup_decay)")
     g.add_argument("--drloc_mode", default="l1", choices=["l1", "ce", "reg", "all", "exh"],
                    help="l1 (best in the paper), ce (classify offsets), reg (Gaussian-prior regression, Eq. 6), "
                         "all (one l1 head per Swin stage; worse than the baseline in the paper), "
                         "exh (every token once with a random partner, m = k^2)")
     g.add_argument("--drloc_targets", default="abs", choices=["abs", "signed"],
                    help="abs |Delta| (the published recipe) or signed Delta + k - 1 (the paper's L*, worse)")
-    g.add_argument("--drloc_pairs", default=64, type=int,
+    g.add_argument("--drloc_pairs", default=64, type=common.POSITIVE_INT,
                    help="m, pairs sampled per image (the paper: 64 beats 32, 128 and 256 on CIFAR-100)")
     g.add_argument("--drloc_normalize", default=False, type=common.bool_flag,
-                   help="normalised targets in [0, 1] (l1 modes only) instead of the code's integer offsets; "
-                        "lower the loss scale by about k/2, so retune --lambda_drloc")
+                   help="normalised targets in [0, 1] (l1 modes only) instead of the code's integer offsets: "
+                        "divided by k-1 (abs) or 2(k-1) (signed), and so is the loss; retune --lambda_drloc")
 
     g = p.add_argument_group("supervised training")
-    g.add_argument("--input_size", default=224, type=int,
+    g.add_argument("--input_size", default=224, type=common.POSITIVE_INT,
                    help="image side in pixels; the paper resizes every dataset to 224 (Swin: 7 x 7 final grid)")
     g.add_argument("--pretrained", default="", type=str,
-                   help="backbone weights to fine-tune from (timm or official Swin keys); the paper's "
-                        "fine-tuning recipe: --lr 5e-4 --warmup_epochs 10")
+                   help="backbone weights to fine-tune from (timm or official Swin keys); the paper gives no "
+                        "fine-tuning lr and the authors' script has one recipe: the defaults apply")
     g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", type=str, help="timm RandAugment policy ('' = none)")
-    g.add_argument("--reprob", default=0.25, type=float, help="random erasing probability")
-    g.add_argument("--mixup", default=0.8, type=float, help="mixup alpha (0 with --cutmix 0 = no mixing)")
-    g.add_argument("--cutmix", default=1.0, type=float, help="cutmix alpha")
-    g.add_argument("--smoothing", default=0.1, type=float, help="label smoothing")
-    g.add_argument("--train_subset", default=0, type=int, help="train on the first N images only (0 = all)")
-    g.add_argument("--val_subset", default=0, type=int, help="validate on the first N images only (0 = all)")
+    g.add_argument("--reprob", default=0.25, type=common.FRACTION, help="random erasing probability")
+    g.add_argument("--mixup", default=0.8, type=common.NONNEGATIVE, help="mixup alpha (0 with --cutmix 0 = no mixing)")
+    g.add_argument("--cutmix", default=1.0, type=common.NONNEGATIVE, help="cutmix alpha")
+    g.add_argument("--smoothing", default=0.1, type=common.FRACTION, help="label smoothing")
+    g.add_argument("--train_subset", default=0, type=common.COUNT, help="train on the first N images only (0 = all)")
+    g.add_argument("--val_subset", default=0, type=common.COUNT, help="validate on the first N images only (0 = all)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--batch_size_per_gpu", default=128, type=int, help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=100, type=int)
-    g.add_argument("--lr", default=5e-4, type=float, help="peak lr at total batch 512 (linear scaling)")
-    g.add_argument("--warmup_lr", default=5e-7, type=float, help="lr at the first step, at total batch 512")
-    g.add_argument("--min_lr", default=5e-6, type=float, help="lr at the end of the cosine, at total batch 512")
-    g.add_argument("--warmup_epochs", default=20, type=int, help="linear lr warmup (from scratch 20, fine-tuning 10)")
-    g.add_argument("--weight_decay", default=0.05, type=float)
-    g.add_argument("--clip_grad", default=5.0, type=float, help="global gradient-norm clip (0 = off)")
+    g.add_argument("--batch_size_per_gpu", default=128, type=common.POSITIVE_INT,
+                   help="images per process (the paper: 1024 in total)")
+    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT, help="training epochs (the paper's from-scratch and fine-tuning runs: 100)")
+    g.add_argument("--lr", default=5e-4, type=common.NONNEGATIVE, help="peak lr at total batch 512 (linear scaling)")
+    g.add_argument("--warmup_lr", default=5e-7, type=common.NONNEGATIVE, help="lr at the first step, at total batch 512")
+    g.add_argument("--min_lr", default=5e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine, at total batch 512")
+    g.add_argument("--warmup_epochs", default=20, type=common.COUNT,
+                   help="linear lr warmup (from scratch 20, fine-tuning 10)")
+    g.add_argument("--weight_decay", default=0.05, type=common.NONNEGATIVE,
+                   help="AdamW weight decay (not on biases, norms and position tables)")
+    g.add_argument("--clip_grad", default=5.0, type=common.NONNEGATIVE, help="global gradient-norm clip (0 = off)")
 
     common.add_data_args(p)
     common.add_run_args(p, saveckp_freq=20)
@@ -484,9 +493,9 @@ def main(args):
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.save_args(args)
-    common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
     check_args(args)
+    ckpt = common.start_training(args, "drloc")      # the checkpoint to resume from, or None
+    common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's augmentation depends only on (seed, epoch, index)
     train_base, val_base = common.build_dataset(args, train=True), common.build_dataset(args, train=False)
@@ -530,13 +539,13 @@ def main(args):
 
     # ---- resume from output_dir/checkpoint.pth when it exists
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
-    if ckpt_path.exists():
-        ckpt = common.load_checkpoint(ckpt_path)
+    if ckpt is not None:
         common.restore(ckpt, model=model, optimizer=optimizer, scaler=scaler, drloc_loss=criterion)
         start_epoch, start_step = ckpt["epoch"], ckpt["step"]
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
+    common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch, start_step,

@@ -47,9 +47,9 @@ def get_args_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_weights_args(p)
     g = p.add_argument_group("k-NN")
-    g.add_argument("--nb_knn", default=[10, 20, 100, 200], nargs="+", type=int,
+    g.add_argument("--nb_knn", default=[10, 20, 100, 200], nargs="+", type=common.POSITIVE_INT,
                    help="numbers of neighbours k; the paper finds k=20 consistently best")
-    g.add_argument("--temperature", default=0.07, type=float,
+    g.add_argument("--temperature", default=0.07, type=common.POSITIVE,
                    help="T in the vote weight exp(similarity / T), from Wu et al. (not tuned)")
     g.add_argument("--dump_features", default=None, help="save the features and labels to this folder")
     g.add_argument("--load_features", default=None,
@@ -88,7 +88,13 @@ def extract_features(model, dataset, transform, args, device):
             labels = torch.zeros(len(dataset), dtype=torch.long, device=where)
         features[index.to(features.device)] = feats.to(features.device)  # sampler padding: a repeated row
         labels[index.to(labels.device)] = targets.to(labels.device)
-    return (F.normalize(features, dim=1, p=2), labels) if features is not None else (None, None)
+    if features is None:
+        return None, None
+    readable = labels != common.SKIPPED
+    if not readable.all():
+        common.log(f"skipped {int((~readable).sum())} unreadable images (--skip_bad_images): left out, "
+                   f"image and label")
+    return F.normalize(features[readable], dim=1, p=2), labels[readable]
 
 
 # ================================================================================================
@@ -133,8 +139,9 @@ def main(args):
         train_features, train_labels, test_features, test_labels = (
             torch.load(folder / name, map_location="cpu", weights_only=True) for name in FEATURE_FILES)
     else:
-        model, _info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
-                                            args.patch_size, args.window_size, args.random_init, args.crop)
+        model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
+                                           args.patch_size, args.window_size, args.random_init, args.crop)
+        common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
         model.to(device)
         transform = common.eval_transform(args.resize, args.crop)
         train_set, test_set = common.build_dataset(args, train=True), common.build_dataset(args, train=False)
@@ -149,17 +156,20 @@ def main(args):
     if not common.is_main_process():
         return None
 
+    common.log(f"k-NN over {len(train_labels)} train and {len(test_labels)} test images")
+    if max(args.nb_knn) > len(train_labels):
+        common.die(f"--nb_knn {max(args.nb_knn)} is more than the {len(train_labels)} train images; "
+                   f"pass smaller values, e.g. --nb_knn {min(20, len(train_labels))}")
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     results = {}
     for k in args.nb_knn:
-        if k > len(train_labels):
-            common.log(f"k={k} is more than the {len(train_labels)} train images: using k={len(train_labels)}")
         top1, top5 = knn_classifier(train_features, train_labels, test_features, test_labels,
-                                    min(k, len(train_labels)), args.temperature, num_classes)
+                                    k, args.temperature, num_classes)
         results[k] = (top1, top5)
         common.log(f"{k}-NN classifier result: top-1 {top1:.2f}%" + (f", top-5 {top5:.2f}%" if top5 is not None else ""))
     return results
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    with common.user_errors():
+        main(get_args_parser().parse_args())

@@ -32,6 +32,7 @@ Where this file differs from the authors' eval_linear.py:
     --output_dir at a pretraining folder cannot overwrite the pretraining checkpoint.
 """
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -50,22 +51,23 @@ def get_args_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_weights_args(p)
     g = p.add_argument_group("linear probe")
-    g.add_argument("--n_last_blocks", default=4, type=int,
+    g.add_argument("--n_last_blocks", default=4, type=common.POSITIVE_INT,
                    help="concatenate the features of the last n blocks: 4 for ViT-S (the paper finds 4 "
                         "best), 1 for ViT-B; EsViT uses 4 for Swin")
     g.add_argument("--avgpool_patchtokens", default=False, type=common.bool_flag,
                    help="add the mean of the patch tokens to the CLS token (ViT only, with "
                         "--n_last_blocks 1; the paper's choice for ViT-B)")
-    g.add_argument("--epochs", default=100, type=int)
-    g.add_argument("--lr", default=0.001, type=float,
+    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT, help="epochs of the linear probe (the authors: 100)")
+    g.add_argument("--lr", default=0.001, type=common.NONNEGATIVE,
                    help="lr at total batch 256 (linear scaling); the paper sweeps it for each model")
-    g.add_argument("--val_freq", default=1, type=int, help="validate every N epochs (and after the last)")
-    g.add_argument("--num_labels", default=None, type=int, help="number of classes (default: from the dataset)")
+    g.add_argument("--val_freq", default=1, type=common.POSITIVE_INT, help="validate every N epochs (and after the last)")
+    g.add_argument("--num_labels", default=None, type=common.POSITIVE_INT,
+                   help="number of classes (default: from the dataset)")
     common.add_eval_data_args(p)
     g = common.add_eval_run_args(p)
     g.add_argument("--output_dir", default=".", type=str,
                    help="log.txt and linear_checkpoint.pth; a run resumes from here")
-    g.add_argument("--max_steps_per_epoch", default=0, type=int,
+    g.add_argument("--max_steps_per_epoch", default=0, type=common.COUNT,
                    help="stop each epoch after N steps (0 = full epoch); for smoke tests")
     return p
 
@@ -173,22 +175,49 @@ def train_one_epoch(model, classifier, loader, optimizer, epoch, args, device):
 def validate(model, classifier, loader, n_images, num_labels, args, device):
     """Loss, top-1 and top-5 (with at least 5 classes) over every validation image exactly once."""
     classifier.eval()
-    per_image = torch.zeros(n_images, 3, device=device)  # loss, top-1 correct, top-5 correct
+    per_image = torch.zeros(n_images, 4, device=device)  # loss, top-1 correct, top-5 correct, readable
     for images, labels, index in common.progress(loader, desc="validation"):
         images, labels, index = images.to(device), labels.to(device), index.to(device)
         logits = classifier(probe_features(model, images, args))
+        readable = labels != common.SKIPPED                       # unreadable images are left out
+        labels = labels.clamp_min(0)
         ranked = logits.topk(min(5, num_labels), dim=1).indices == labels[:, None]
         rows = torch.stack([F.cross_entropy(logits, labels, reduction="none"),
-                            ranked[:, 0].float(), ranked.any(dim=1).float()], dim=1)
+                            ranked[:, 0].float(), ranked.any(dim=1).float(), readable.float()], dim=1)
         rows, index = common.all_gather_rows(rows, index)
         per_image[index] = rows  # the distributed sampler's padding rows repeat real images
-    loss, top1, top5 = per_image.mean(dim=0).tolist()
-    return {"val_loss": loss, "val_top1": 100 * top1, **({"val_top5": 100 * top5} if num_labels >= 5 else {})}
+    kept = per_image[:, 3] > 0
+    loss, top1, top5 = per_image[kept, :3].mean(dim=0).tolist()
+    return {"val_loss": loss, "val_top1": 100 * top1, **({"val_top5": 100 * top5} if num_labels >= 5 else {}),
+            "val_images": int(kept.sum()), "val_skipped_images": int((~kept).sum())}
 
 
 def train_transform(crop):
     return transforms.Compose([transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(),
                                transforms.ToTensor(), transforms.Normalize(common.IMAGENET_MEAN, common.IMAGENET_STD)])
+
+
+def weights_identity(model, args):
+    """What the probe is trained on: the weights file, the network taken from it and a checksum of
+    the loaded weights (float64 sum of every tensor: it does not change if the file is moved)."""
+    tensors = [t.double().sum() for t in model.state_dict().values() if t.is_floating_point()]
+    return {"weights": str(Path(args.pretrained_weights).resolve()) if args.pretrained_weights else "",
+            "checkpoint_key": args.checkpoint_key, "random_init": args.random_init,
+            "weights_checksum": float(torch.stack(tensors).sum()) if tensors else 0.0}
+
+
+def check_same_weights(ckpt, identity, ckpt_path):
+    """A probe trained on other weights must not be resumed, nor its accuracy reported."""
+    old = ckpt.get("backbone", {})
+    if "weights_checksum" not in old:
+        common.die(f"{ckpt_path} does not record which weights its probe was trained on; delete it or use "
+                   f"another --output_dir")
+    same = (old["checkpoint_key"] == identity["checkpoint_key"] and old["random_init"] == identity["random_init"]
+            and math.isclose(old["weights_checksum"], identity["weights_checksum"], rel_tol=1e-9, abs_tol=1e-9))
+    if not same:
+        common.die(f"{ckpt_path} holds a linear probe trained on other weights ({old['weights'] or 'random init'} "
+                   f"[{old['checkpoint_key']}]), not {identity['weights'] or 'random init'} "
+                   f"[{identity['checkpoint_key']}]: refusing to resume it; use another --output_dir or delete it")
 
 
 def count_labels(dataset, args):
@@ -211,6 +240,8 @@ def main(args):
     # ---- frozen backbone; the linear probe's input size from one dry run
     model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
                                        args.window_size, args.random_init, args.crop)
+    common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
+    identity = weights_identity(model, args)
     model.to(device)
     check_feature_args(model, args)
     with torch.no_grad():
@@ -239,6 +270,7 @@ def main(args):
     start_epoch, best_top1, ckpt_path = 0, 0.0, Path(args.output_dir) / "linear_checkpoint.pth"
     if ckpt_path.exists():
         ckpt = common.load_checkpoint(ckpt_path)
+        check_same_weights(ckpt, identity, ckpt_path)
         common.restore(ckpt, linear=classifier, optimizer=optimizer)
         start_epoch, best_top1 = ckpt["epoch"], ckpt["best_top1"]
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far {best_top1:.2f}%)")
@@ -251,10 +283,10 @@ def main(args):
         if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
             record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
             best_top1 = max(best_top1, record["val_top1"])
-        record.update(epoch=epoch, best_top1=best_top1)
+        record.update(epoch=epoch, best_top1=best_top1, skipped_images=common.skipped_images(train_data))
         if common.is_main_process():
             common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(), "optimizer": optimizer.state_dict(),
-                                    "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args), "backbone": info},
+                                    "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args), "backbone": {**info, **identity}},
                                    ckpt_path)
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
@@ -263,4 +295,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    with common.user_errors():
+        main(get_args_parser().parse_args())

@@ -85,42 +85,44 @@ def get_args_parser():
     common.add_backbone_args(p, arch="vit_small", drop_path_rate=0.1)
 
     g = p.add_argument_group("DINO and SelfPatch heads and loss")
-    g.add_argument("--out_dim", default=65536, type=int,
+    g.add_argument("--out_dim", default=65536, type=common.POSITIVE_INT,
                    help="K, the number of prototypes of the image-token head (4096 for COCO)")
-    g.add_argument("--patch_out_dim", default=4096, type=int,
+    g.add_argument("--patch_out_dim", default=4096, type=common.POSITIVE_INT,
                    help="K_p, the number of prototypes of the patch head (4096 for ImageNet and COCO)")
-    g.add_argument("--k_num", default=4, type=int,
+    g.add_argument("--k_num", default=4, type=common.POSITIVE_INT,
                    help="k, positives per patch among its 8 neighbours; the paper advises 4 for 8 and 16 px "
                         "patches of 224 px images, 2 for 32 px patches")
     g.add_argument("--neighbors_wrap", default=True, type=common.bool_flag,
                    help="the 3x3 window wraps around the grid borders, as in the authors' code; with false, "
                         "corner patches have only 3 candidates, so --k_num must be at most 3")
-    g.add_argument("--patch_loss_weight", default=0.1, type=float, help="weight of the patch loss (authors' code)")
+    g.add_argument("--patch_loss_weight", default=0.1, type=common.NONNEGATIVE,
+                   help="weight of the patch loss (authors' code)")
     g.add_argument("--norm_last_layer", default=True, type=common.bool_flag,
                    help="freeze the gain of the weight-normalised last layer of both heads (stabler)")
     g.add_argument("--use_bn_in_head", default=False, type=common.bool_flag,
                    help="batch norm in the head MLPs (not with ViTs)")
     common.add_head_size_args(g)
-    g.add_argument("--momentum_teacher", default=0.996, type=float,
+    g.add_argument("--momentum_teacher", default=0.996, type=common.FRACTION,
                    help="EMA momentum base, cosine to 1; use 0.9995 with batches of 256 or less")
-    g.add_argument("--warmup_teacher_temp", default=0.04, type=float, help="teacher temperature at epoch 0")
-    g.add_argument("--teacher_temp", default=0.04, type=float,
+    g.add_argument("--warmup_teacher_temp", default=0.04, type=common.POSITIVE, help="teacher temperature at epoch 0")
+    g.add_argument("--teacher_temp", default=0.04, type=common.POSITIVE,
                    help="teacher temperature after warmup (both terms); above 0.07 training becomes unstable")
-    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=int,
+    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.COUNT,
                    help="epochs of linear teacher-temperature warmup")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--batch_size_per_gpu", default=64, type=int, help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=200, type=int)
-    g.add_argument("--lr", default=0.0005, type=float, help="peak lr at total batch 256 (linear scaling)")
-    g.add_argument("--min_lr", default=1e-6, type=float, help="lr at the end of the cosine schedule")
-    g.add_argument("--warmup_epochs", default=10, type=float,
+    g.add_argument("--batch_size_per_gpu", default=64, type=common.POSITIVE_INT,
+                   help="images per process (the paper: 1024 in total)")
+    g.add_argument("--epochs", default=200, type=common.POSITIVE_INT, help="training epochs (SelfPatch on ImageNet: 200)")
+    g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE, help="peak lr at total batch 256 (linear scaling)")
+    g.add_argument("--min_lr", default=1e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine schedule")
+    g.add_argument("--warmup_epochs", default=10, type=common.NONNEGATIVE,
                    help="linear lr warmup from 0 (a fraction counts steps: 0.5 = half an epoch)")
-    g.add_argument("--weight_decay", default=0.04, type=float, help="weight decay at the start (cosine)")
-    g.add_argument("--weight_decay_end", default=0.4, type=float, help="weight decay at the end")
-    g.add_argument("--clip_grad", default=3.0, type=float, help="per-parameter gradient norm clip (0 = off)")
-    g.add_argument("--freeze_last_layer", default=1, type=float,
-                   help="epochs during which the heads' last layers are not updated (helps early training)")
+    g.add_argument("--weight_decay", default=0.04, type=common.NONNEGATIVE, help="weight decay at the start (cosine)")
+    g.add_argument("--weight_decay_end", default=0.4, type=common.NONNEGATIVE, help="weight decay at the end")
+    g.add_argument("--clip_grad", default=3.0, type=common.NONNEGATIVE, help="per-parameter gradient norm clip (0 = off)")
+    g.add_argument("--freeze_last_layer", default=1, type=common.NONNEGATIVE,
+                   help="epochs during which the heads' last layers are not updated (helps early training; a fraction counts steps)")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (ViT) or sgd")
 
     common.add_multicrop_args(p, global_crops_scale=(0.25, 1.0), local_crops_scale=(0.05, 0.25))
@@ -361,7 +363,7 @@ def main(args):
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.save_args(args)
+    ckpt = common.start_training(args, "selfpatch")  # the checkpoint to resume from, or None
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -403,13 +405,13 @@ def main(args):
 
     # ---- resume from output_dir/checkpoint.pth when it exists
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
-    if ckpt_path.exists():
-        ckpt = common.load_checkpoint(ckpt_path)
+    if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, selfpatch_loss=criterion)
         start_epoch, start_step = ckpt["epoch"], ckpt["step"]
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
+    common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,

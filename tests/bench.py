@@ -352,8 +352,7 @@ class SelfDistillationStep:
     def __init__(self, name, a, device):
         self.name, self.a, self.device = name, a, device
         self.module = module = METHODS[name][0]
-        if module is glsd:
-            glsd.check_crop_sizes(a)
+        common.check_crop_sizes(a)
         augment = common.MultiCropAugmentation(a.global_crops_scale, a.local_crops_scale, a.local_crops_number,
                                                a.global_crop_size, a.local_crop_size)
         dataset = common.SeededDataset(common.build_dataset(a, train=True), augment, seed=a.seed)

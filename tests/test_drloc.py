@@ -406,6 +406,23 @@ def test_run_with_drloc_logs_and_checkpoints(drloc_uninterrupted):
                                   load(drloc_uninterrupted / "backbone.pth"))
 
 
+def test_drloc_checkpoint_is_evaluated_by_eval_knn_at_its_training_size(drloc_uninterrupted):
+    """At 64 px the later Swin stages are smaller than the window: their relative-position tables
+    shrink, so the backbone must be built at the checkpoint's --input_size (and DRLoc's eps)."""
+    import eval_knn
+    model, info = eval_knn.load_backbone(str(drloc_uninterrupted / "checkpoint.pth"))
+    assert info["method"] == "drloc"
+    state = load(drloc_uninterrupted / "checkpoint.pth")["model"]
+    for k, v in model.state_dict().items():
+        if not k.endswith((".relative_position_index", ".attn_mask")):
+            assert torch.equal(v, state[f"backbone.{k}"]), k
+    assert model.norm.eps == 1e-5
+    assert model(torch.zeros(2, 3, 64, 64)).shape == (2, model.num_features)
+    # backbone.pth alone does not record the size: its smaller tables are a one-line mismatch
+    with pytest.raises(SystemExit, match="does not match the checkpoint.*relative_position_bias_table"):
+        eval_knn.load_backbone(str(drloc_uninterrupted / "backbone.pth"), arch="swin_pico")
+
+
 # Runs a training script that, at its n-th preemption check, waits (up to a minute) for a real
 # signal: the test sends SIGTERM at a known step, so the stopped run can be compared exactly.
 WAIT_FOR_SIGNAL_AT_CHECK = """

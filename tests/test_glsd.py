@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
 import glsd  # noqa: E402
@@ -367,11 +368,12 @@ def test_similarity_and_vanilla_train_exactly_like_esvit(tmp_path, glsd_flags, e
 def test_crop_sizes_must_be_tiled_by_tokens():
     parse = glsd.get_args_parser().parse_args
     with pytest.raises(SystemExit, match="--local_crop_size 48 is not a multiple"):
-        glsd.check_crop_sizes(parse(["--arch", "swin_pico", "--local_crop_size", "48"]))
+        common.check_crop_sizes(parse(["--arch", "swin_pico", "--local_crop_size", "48"]))
     with pytest.raises(SystemExit, match=r"--global_crop_size 40 .*\(16 px\)"):
-        glsd.check_crop_sizes(parse(["--arch", "vit_pico", "--global_crop_size", "40"]))
-    glsd.check_crop_sizes(parse(["--arch", "swin_pico", "--local_crop_size", "48", "--local_matching", "similarity"]))
-    glsd.check_crop_sizes(parse([]))                 # the defaults: 224 and 96 px on Swin-T
+        common.check_crop_sizes(parse(["--arch", "vit_pico", "--global_crop_size", "40"]))
+    with pytest.raises(SystemExit, match="--local_crop_size 48 is not a multiple"):   # one rule for every matching
+        common.check_crop_sizes(parse(["--arch", "swin_pico", "--local_crop_size", "48", "--local_matching", "similarity"]))
+    common.check_crop_sizes(parse([]))                 # the defaults: 224 and 96 px on Swin-T
 
 
 def test_help_is_grouped():

@@ -1,6 +1,7 @@
 """Reliability of the training scripts: exact resume (epoch boundary and mid-epoch), 1-process vs
 2-process equality, preemption by signal, and bad input. Every run is a real subprocess on the
 `synthetic` data (tiny sizes, CPU)."""
+import json
 import os
 import shutil
 import signal
@@ -278,7 +279,8 @@ def test_truncated_image_is_named_or_skipped(tmp_path, workers):
     ("missing", "does not exist"),
     ("empty", "no images in"),
     ("arch", "invalid choice: 'vit_huge'"),
-    ("other_arch_checkpoint", "does not match the checkpoint"),
+    ("other_arch_checkpoint", "--arch vit_pico (now vit_tiny)"),
+    ("other_arch_checkpoint_allowed", "does not match the checkpoint"),
 ])
 def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
     args = [*FOLDER_ARGS, "--output_dir", str(tmp_path / "out")]
@@ -292,8 +294,242 @@ def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
     else:
         args = [*tiny(epochs="1", max_steps_per_epoch="1"), "--output_dir", str(tmp_path / "out")]
         assert run("dino.py", *args).returncode == 0
-        args = [*args, "--arch", "swin_pico"]
+        args = [*args, "--arch", "vit_tiny"] + (["--allow_changed_args"] if case.endswith("allowed") else [])
     r = run("dino.py", *args)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert expected in r.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Preemption of a whole job: torchrun, its processes and their loader workers all get SIGTERM
+# ------------------------------------------------------------------------------------------------
+def descendants(pid):
+    """Every living process below `pid` (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes(tmp_path):
+    """SLURM and torchrun signal every process of a job, loader workers included: the workers must
+    not die of it before their training process has written its checkpoint."""
+    args = [*tiny(max_steps_per_epoch="0", epochs="50", synthetic_images="64", num_workers="2"),
+            "--output_dir", str(tmp_path)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen([*torchrun, "dino.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("data:"):
+            break
+    deadline = time.time() + 60   # 1 agent -> 2 training processes -> 2 loader workers each
+    while len(descendants(proc.pid)) < 6 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(descendants(proc.pid)) >= 6, "the loader workers never started"
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "is killed by signal" not in err, err[-3000:]
+    assert "received SIGTERM" in out, err[-3000:]
+    ckpt = load(tmp_path / "checkpoint.pth")
+    assert ckpt["epoch"] < 50 and len(ckpt["rng"]) == 2
+    end = str(ckpt["epoch"] + 1)
+    resumed = subprocess.run([*torchrun, "dino.py", *args, "--epochs", end], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at epoch {ckpt['epoch']}, step {ckpt['step']}" in resumed.stdout
+    assert load(tmp_path / "checkpoint.pth")["epoch"] == int(end)
+
+
+# ------------------------------------------------------------------------------------------------
+# Start-up checks of a resumed run: same method, same arguments, a readable checkpoint
+# ------------------------------------------------------------------------------------------------
+def last_line(result):
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_resume_with_changed_arguments_refuses_naming_each_difference(dino_uninterrupted, tmp_path):
+    shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
+    r = run("dino.py", *DINO_TINY, "--lr", "0.001", "--local_crops_number", "4", "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = last_line(r)
+    assert "trained with other arguments" in line and "--allow_changed_args" in line
+    assert "--lr 0.0005 (now 0.001)" in line and "--local_crops_number 2 (now 4)" in line
+    assert not (tmp_path / "args.json").exists()          # written only once every check passed
+    # extending --epochs is allowed, and so is a change of where the run happens
+    r = run("dino.py", *tiny(epochs="3", num_workers="1"), "--output_dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--epochs changed from 2 to 3" in r.stdout and load(tmp_path / "checkpoint.pth")["epoch"] == 3
+    assert '"epochs": 3' in (tmp_path / "args.json").read_text()
+    r = run("dino.py", *tiny(epochs="2"), "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "already trained 3 epochs, more than --epochs 2" in last_line(r)
+
+
+def test_default_output_dir_is_per_method_and_another_methods_checkpoint_is_named(dino_uninterrupted, tmp_path):
+    import dino
+    import drloc
+    import esvit
+    assert dino.get_args_parser().parse_args([]).output_dir == "runs/dino"
+    assert esvit.get_args_parser().parse_args([]).output_dir == "runs/esvit"
+    assert drloc.get_args_parser().parse_args([]).output_dir == "runs/drloc"
+    shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
+    r = run("esvit.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"{tmp_path / 'checkpoint.pth'} was written by dino.py, not esvit.py" in last_line(r)
+
+
+def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted, tmp_path):
+    shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".checkpoint.pth.tmp{int(dead.stdout)}"      # left by a `kill -9` during a save
+    alive = tmp_path / f".checkpoint.pth.tmp{os.getpid()}"            # a save in progress: kept
+    stale.write_bytes(b"partial")
+    alive.write_bytes(b"partial")
+    r = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not stale.exists() and alive.exists()
+    assert f"removed {stale}" in r.stdout
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_empty_or_truncated_checkpoint_is_named(dino_uninterrupted, tmp_path, damage):
+    data = (dino_uninterrupted / "checkpoint.pth").read_bytes()
+    (tmp_path / "checkpoint.pth").write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    r = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = last_line(r)
+    assert line.startswith(f"error: checkpoint {tmp_path / 'checkpoint.pth'}")
+    assert ("is empty (0 bytes" if damage == "empty" else "truncated") in line
+    assert line.rstrip().split(":")[-1].strip()            # a reason, never a blank one
+
+
+def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(tmp_path):
+    import dino
+    import esvit
+    import selfpatch
+    import common
+    for module, arch in ((dino, "swin_pico"), (esvit, "swin_pico"), (selfpatch, "vit_small")):
+        bad = module.get_args_parser().parse_args(["--arch", arch, "--local_crop_size", "40"])
+        with pytest.raises(SystemExit, match="--local_crop_size 40 is not a multiple"):
+            common.check_crop_sizes(bad)
+    r = run("dino.py", *tiny(global_crop_size="36"), "--output_dir", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--global_crop_size 36 is not a multiple of the vit_pico token stride (16 px)" in last_line(r)
+    assert not (tmp_path / "args.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Numeric arguments out of range: refused at parse time, in one line
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script,flag,value", [
+    ("dino", "--epochs", "0"), ("dino", "--out_dim", "0"), ("dino", "--momentum_teacher", "2"), ("dino", "--lr", "-1"),
+    ("dino", "--local_crops_number", "-2"), ("dino", "--global_crops_scale", "0"), ("dino", "--teacher_temp", "0"),
+    ("esvit", "--batch_size_per_gpu", "0"), ("glsd", "--warmup_epochs", "-1"), ("selfpatch", "--k_num", "0"),
+    ("drloc", "--smoothing", "1.5"), ("drloc", "--input_size", "nan"), ("eval_knn", "--temperature", "0"),
+    ("eval_knn", "--nb_knn", "0"), ("eval_linear", "--n_last_blocks", "0"), ("eval_linear", "--epochs", "-3"),
+])
+def test_numeric_arguments_out_of_range_are_refused_at_parse_time(capsys, script, flag, value):
+    import importlib
+    parser = importlib.import_module(script).get_args_parser()
+    values = [value, value] if flag.endswith("crops_scale") else [value]
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([flag, *values])
+    assert exit_info.value.code != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in last and ("out of range" in last or "expected" in last)
+
+
+@pytest.mark.parametrize("script", ["eval_knn.py", "eval_linear.py"])
+def test_eval_crop_that_is_not_a_multiple_of_the_patch_is_one_line(script, tmp_path):
+    extra = ["--output_dir", str(tmp_path)] if script == "eval_linear.py" else []
+    r = run(script, "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--resize", "36", "--crop", "36",
+            "--device", "cpu", *extra)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--crop 36 is not a multiple of the vit_pico patch size (16 px); use e.g. 32" in last_line(r)
+
+
+def test_more_neighbours_than_train_images_is_refused(tmp_path):
+    r = run("eval_knn.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "16",
+            "--synthetic_image_size", "32", "--resize", "32", "--crop", "32", "--num_workers", "0", "--device", "cpu",
+            "--nb_knn", "10", "200")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--nb_knn 200 is more than the 16 train images" in last_line(r)
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation scripts: unreadable images, probes trained on other weights
+# ------------------------------------------------------------------------------------------------
+EVAL_FOLDER = ["--random_init", "--arch", "vit_pico", "--dataset", "folder", "--resize", "32", "--crop", "32",
+               "--batch_size_per_gpu", "4", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def eval_folder(tmp_path_factory):
+    """train/: 17 readable images; val/: the same 17 and one truncated JPEG."""
+    root = tmp_path_factory.mktemp("eval_data")
+    make_folder(root / "train", bad=False)
+    make_folder(root / "val", bad=True)
+    return root
+
+
+@pytest.mark.parametrize("script", ["eval_knn.py", "eval_linear.py"])
+def test_eval_unreadable_image_is_one_line(eval_folder, tmp_path, script):
+    extra = ["--nb_knn", "5"] if script == "eval_knn.py" else ["--epochs", "1", "--output_dir", str(tmp_path)]
+    r = run(script, *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "1", *extra)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = last_line(r)
+    assert line.startswith("error: cannot read image") and "truncated.jpg" in line and "--skip_bad_images" in line
+
+
+def test_eval_knn_drops_unreadable_images_with_their_labels(eval_folder):
+    r = run("eval_knn.py", *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "0", "--nb_knn", "5",
+            "--skip_bad_images")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipped 1 unreadable images" in r.stdout and "truncated.jpg" in r.stderr
+    assert "k-NN over 17 train and 17 test images" in r.stdout     # not 18: no neighbour stands in for it
+
+
+def test_eval_linear_drops_unreadable_images_and_refuses_a_probe_of_other_weights(eval_folder, tmp_path):
+    args = [*EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "0", "--skip_bad_images",
+            "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path)]
+    r = run("eval_linear.py", *args, "--epochs", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads((tmp_path / "log.txt").read_text().splitlines()[-1])
+    assert (record["val_images"], record["val_skipped_images"]) == (17, 1)
+    # the same folder, other weights (another random initialisation): the old probe is not reported
+    r = run("eval_linear.py", *args, "--epochs", "2", "--seed", "1")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "holds a linear probe trained on other weights" in last_line(r)
+    r = run("eval_linear.py", *args, "--epochs", "2")           # the same weights: resumed
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+
+
+def test_every_argument_has_help_and_the_drloc_normalize_help_names_its_divisor():
+    import importlib
+    for script in ("dino", "esvit", "glsd", "selfpatch", "drloc", "eval_knn", "eval_linear"):
+        parser = importlib.import_module(script).get_args_parser()
+        assert [a.dest for a in parser._actions if not a.help] == [], script
+    import drloc
+    normalize = next(a for a in drloc.get_args_parser()._actions if a.dest == "drloc_normalize")
+    assert "k-1" in normalize.help and "k/2" not in normalize.help
+
+
+def test_selfpatch_teacher_backbone_alone_is_a_one_line_mismatch(tmp_path):
+    """SelfPatch's backbone has no CLS token and no final norm: its image token needs the
+    aggregation module of checkpoint.pth."""
+    import common
+    import eval_knn
+    backbone = common.build_backbone("vit_pico", class_token=False, final_norm=False)
+    torch.save(backbone.state_dict(), tmp_path / "teacher_backbone.pth")
+    with pytest.raises(SystemExit, match=r"does not match the checkpoint.*missing: \[cls_token, norm.weight"):
+        eval_knn.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch="vit_pico")
