@@ -1496,6 +1496,7 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
     if full:
         record = recorded_backbone(ckpt)
     else:
+        check_eval_crop(crop, arch, patch_size)     # the evaluation's own message, before building at `crop`
         window_size, img_size = plain_state_shape(state, window_size, crop)
         record = dict(arch=arch, patch_size=patch_size, window_size=window_size, img_size=img_size)
     build = {k: v for k, v in record.items() if k != "image_token"}

@@ -183,7 +183,7 @@ def test_two_step_run_then_resume(tmp_path):
     assert ckpt["dino_loss"]["center"].abs().sum() > 0
     backbone = torch.load(tmp_path / "teacher_backbone.pth", weights_only=True)
     assert "cls_token" in backbone and "blocks.0.attn.qkv.weight" in backbone   # timm key names
-    model = common.build_backbone("vit_pico")
+    model = common.build_backbone("vit_pico", img_size=32)      # built for the run's 32 px global crop
     common.load_state_dict_strict(model, backbone)
 
     second = run_dino("--epochs", "2", "--max_steps_per_epoch", "2", "--output_dir", str(tmp_path),

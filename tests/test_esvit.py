@@ -264,7 +264,7 @@ def test_two_step_run_then_resume(tmp_path):
     assert set(ckpt) >= {"student", "teacher", "optimizer", "scaler", "esvit_loss", "args", "rng"}
     assert ckpt["esvit_loss"]["center"].abs().sum() > 0 and ckpt["esvit_loss"]["center_grid"].abs().sum() > 0
     assert any(k.startswith("region_head.") for k in ckpt["teacher"])
-    common.load_state_dict_strict(common.build_backbone("swin_pico"),      # timm key names
+    common.load_state_dict_strict(common.build_backbone("swin_pico", img_size=64),   # timm key names, 64 px run
                                   torch.load(tmp_path / "teacher_backbone.pth", weights_only=True))
 
     second = run_esvit("--epochs", "2", "--output_dir", str(tmp_path), "--monitor_correspondence", "4")

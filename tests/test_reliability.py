@@ -528,8 +528,7 @@ def test_selfpatch_teacher_backbone_alone_is_a_one_line_mismatch(tmp_path):
     """SelfPatch's backbone has no CLS token and no final norm: its image token needs the
     aggregation module of checkpoint.pth."""
     import common
-    import eval_knn
     backbone = common.build_backbone("vit_pico", class_token=False, final_norm=False)
     torch.save(backbone.state_dict(), tmp_path / "teacher_backbone.pth")
     with pytest.raises(SystemExit, match=r"does not match the checkpoint.*missing: \[cls_token, norm.weight"):
-        eval_knn.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch="vit_pico")
+        common.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch="vit_pico")
