@@ -127,8 +127,8 @@ def mean_spread(values):
 
 
 def table(records, phase):
-    rows = [f"| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points) | train time (min) | "
-            f"peak memory (MB) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points) | train time (min) | "
+            "peak memory (MB) |", "|---|---|---|---|---|---|---|---|"]
     groups = {}
     for r in records:
         if r.get("phase") == phase:
