@@ -9,10 +9,15 @@ Pillow's ImageDraw for lines, dots and numbers; no plotting library):
                 crop right, every student token linked to its matched teacher token: top row by
                 backbone similarity (EsViT, GLSD's Similarity), bottom row by geometry (GLSD's
                 Geometric; rejected matches are not drawn) (GLSD Fig. 3 and 8-11)
+    crops       what a training run sees: per image, the image and its 2 global and N local crops,
+                exactly as epoch 0 of a run with the same --seed and crop flags draws them (look at
+                them before tuning a recipe: is the object still there after crop, blur, solarize?)
 
     python extras/visualize.py attention --pretrained_weights runs/dino/checkpoint.pth --image photo.jpg --output attention.png
     python extras/visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth --dataset synthetic \
         --synthetic_image_size 64 --global_crop_size 64 --local_crop_size 32 --output matchings.png
+    python extras/visualize.py crops --dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 \
+        --local_crops_number 4 --indices 0 1 2 3 --output crops.png
 
 The 60% threshold: per head, sort the patches by attention, keep the largest ones until their sum
 reaches 60% of the total (the patch that crosses the line is kept), as DINO's visualisation does.
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from PIL import ImageDraw
+from PIL import Image, ImageDraw
 from torchvision.io import write_png
 from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 from torchvision.utils import draw_segmentation_masks, make_grid
@@ -190,6 +195,22 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
 
 
 # ================================================================================================
+# The crops a training run sees
+# ================================================================================================
+def crops_picture(dataset, augment, seed, indices, size=96):
+    """One row per image: the image, then its crops as training draws them at epoch 0
+    (`common.SeededDataset` with the run's seed), every view drawn size x size."""
+    seeded = common.SeededDataset(dataset, augment, seed)
+    views = []
+    for index in indices:
+        image = dataset[index][0].convert("RGB")
+        crops, _ = seeded[(index, 0)][0]
+        views += [pil_to_tensor(image.resize((size, size), Image.Resampling.BICUBIC)),
+                  *[to_uint8(c, size) for c in crops]]
+    return make_grid(views, nrow=len(views) // len(indices), padding=4, pad_value=255)
+
+
+# ================================================================================================
 # Command line
 # ================================================================================================
 def get_args_parser():
@@ -197,20 +218,27 @@ def get_args_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     commands = p.add_subparsers(dest="picture", required=True)
     for name, help_text in (("attention", "per-head CLS attention of the last ViT block"),
-                            ("matchings", "token matchings of one EsViT / GLSD training step")):
+                            ("matchings", "token matchings of one EsViT / GLSD training step"),
+                            ("crops", "the global and local crops a training run sees")):
         c = commands.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        common.add_weights_args(c)
         g = c.add_argument_group("image")
-        g.add_argument("--image", default=None, type=str, help="an image file (else image --index of --dataset)")
-        g.add_argument("--index", default=0, type=int, help="which image of the dataset split")
-        g.add_argument("--split", default="test", choices=["train", "test"], help="dataset split")
+        if name == "crops":
+            g.add_argument("--indices", default=[0, 1, 2, 3], type=int, nargs="+", help="images of the train split")
+        else:
+            common.add_weights_args(c)
+            g.add_argument("--image", default=None, type=str, help="an image file (else image --index of --dataset)")
+            g.add_argument("--index", default=0, type=int, help="which image of the dataset split")
+            g.add_argument("--split", default="test", choices=["train", "test"], help="dataset split")
         common.add_data_args(c)
         g = c.add_argument_group("picture")
         g.add_argument("--output", default=f"{name}.png", type=str, help="PNG file to write")
-        g.add_argument("--picture_size", default=224, type=int, help="side of every drawn view in pixels")
-        g.add_argument("--seed", default=0, type=int, help="seeds the crops (matchings) and --random_init")
+        g.add_argument("--picture_size", default=96 if name == "crops" else 224, type=int,
+                       help="side of every drawn view in pixels")
+        g.add_argument("--seed", default=0, type=int, help="seeds the crops (as training's --seed) and --random_init")
         g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-        if name == "attention":
+        if name == "crops":
+            common.add_multicrop_args(c)
+        elif name == "attention":
             g.add_argument("--image_size", default=224, type=int,
                            help="the image is resized and centre-cropped to this (a multiple of the patch)")
             g.add_argument("--threshold", default=0.6, type=float, help="fraction of attention mass kept in the masks")
@@ -233,6 +261,14 @@ def load_image(args):
 def main(args):
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
+    if args.picture == "crops":
+        dataset = common.build_dataset(args, train=True)
+        bad = [i for i in args.indices if not 0 <= i < len(dataset)]
+        if bad:
+            common.die(f"--indices {bad} outside the {len(dataset)} images of the train split")
+        augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
+                                               args.global_crop_size, args.local_crop_size)
+        return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size), args)
     image = load_image(args)
     def load(key):
         return common.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
@@ -261,6 +297,10 @@ def main(args):
         picture = matchings_picture(backbone, student, [c.to(device) for c in crops],
                                     [{k: v.to(device) for k, v in g.items()} for g in geometry],
                                     args.student_crop, args.picture_size)
+    return save(picture, args)
+
+
+def save(picture, args):
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     write_png(picture, args.output)
     common.log(f"{args.picture} picture written to {args.output}")

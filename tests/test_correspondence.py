@@ -188,6 +188,26 @@ def test_visualize_attention_and_matchings(tmp_path):
         visualize.cls_attention(common.build_backbone("swin_pico"), torch.zeros(3, 64, 64))
 
 
+def test_visualize_crops_are_the_crops_training_sees(tmp_path):
+    """Each row: the image, then its crops as the training loader's `SeededDataset` draws them at
+    epoch 0 with the same seed (checked pixel for pixel on the drawn views)."""
+    args = visualize.get_args_parser().parse_args(
+        ["crops", "--dataset", "synthetic", "--synthetic_images", "20", "--synthetic_image_size", "32",
+         "--global_crop_size", "32", "--local_crop_size", "16", "--local_crops_number", "2", "--seed", "3",
+         "--indices", "4", "7", "--picture_size", "40", "--output", str(tmp_path / "c.png")])
+    picture = visualize.main(args)
+    assert picture.shape == (3, 2 * 40 + 3 * 4, 5 * 40 + 6 * 4)               # 2 rows x (image + 4 crops)
+    augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=32, local_crop_size=16)
+    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=3)
+    crops, _ = dataset[(7, 0)][0]
+    second_row_third_view = picture[:, 4 + 40 + 4:4 + 80 + 4, 4 + 2 * 44:4 + 2 * 44 + 40]
+    assert torch.equal(second_row_third_view, visualize.to_uint8(crops[1], 40))
+    assert not torch.equal(visualize.to_uint8(dataset[(7, 1)][0][0][1], 40), second_row_third_view)
+    with pytest.raises(SystemExit, match="outside the 20 images"):
+        visualize.main(visualize.get_args_parser().parse_args(["crops", "--dataset", "synthetic",
+                                                               "--synthetic_images", "20", "--indices", "20"]))
+
+
 def test_visualized_matchings_are_glsds():
     """extras/visualize.py draws the matchings of a GLSD step without importing glsd.py: its
     similarity and geometric matches (with GLSD's keep rule) equal glsd.py's on random crops."""
