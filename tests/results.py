@@ -151,6 +151,25 @@ def table(records, phase):
     return "\n".join(rows)
 
 
+def paired_difference(records, phase, run="drloc", baseline="drloc_base"):
+    """DRLoc's comparison: top-1 of `run` minus `baseline` seed by seed (a seed fixes the backbone's
+    initialisation, the batch order and the augmentations of both runs), as mean ± standard
+    deviation over the seeds both have, and whether the mean is beyond two standard errors."""
+    top1 = {}
+    for r in records:
+        if r.get("phase") == phase and r.get("variant", "recipe") == "recipe" and r["run"] in (run, baseline):
+            top1.setdefault(r["run"], {})[r["seed"]] = r["top1"]
+    seeds = sorted(set(top1.get(run, {})) & set(top1.get(baseline, {})))
+    if len(seeds) < 2:
+        return None
+    diffs = [top1[run][s] - top1[baseline][s] for s in seeds]
+    mean, std = statistics.mean(diffs), statistics.stdev(diffs)
+    verdict = "beyond" if abs(mean) > 2 * std / len(seeds) ** 0.5 else "within"
+    return (f"{run} - {baseline}, paired by seed ({len(seeds)} seeds: "
+            f"{', '.join(f'{d:+.2f}' for d in diffs)}): {mean:+.2f} ± {std:.2f} points (mean ± std), "
+            f"{verdict} two standard errors of the mean")
+
+
 def main():
     p = argparse.ArgumentParser("results.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
@@ -178,6 +197,9 @@ def main():
         records = [json.loads(line) for line in Path(args.log).read_text().splitlines() if line.strip()]
         for phase in ("val", "test"):
             print(f"\n{phase}:\n{table(records, phase)}")
+            comparison = paired_difference(records, phase)
+            if comparison:
+                print(comparison)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,14 @@ def test_table_reports_mean_half_range_and_gain_over_random_init_per_phase():
     lines = results.table(records, "test").splitlines()
     assert lines[2:] == ["| dino | recipe | 2 | 62.0 ± 2.0 | 51.0 ± 1.0 | 11.0 ± 1.0 | 10.5 | 950 |",
                          "| raw pixels | — | — | 84.6 | — | — | — | — |"]
+
+
+def test_drloc_comparison_is_paired_by_seed():
+    records = [{"run": run, "variant": "recipe", "phase": "test", "seed": seed, "top1": top1}
+               for run, seed, top1 in [("drloc", 0, 50.0), ("drloc", 1, 54.0), ("drloc", 2, 52.0), ("drloc", 3, 99.0),
+                                       ("drloc_base", 0, 49.0), ("drloc_base", 1, 51.0), ("drloc_base", 2, 52.0)]]
+    line = results.paired_difference(records, "test")
+    # seed 3 has no baseline: differences +1, +3, 0 -> mean 1.33, std 1.53, 2 s.e. = 1.76
+    assert "(3 seeds: +1.00, +3.00, +0.00): +1.33 ± 1.53 points" in line and line.endswith("within two standard errors of the mean")
+    assert "beyond" in results.paired_difference([{**r, "top1": r["top1"] + 5 * (r["run"] == "drloc")} for r in records], "test")
+    assert results.paired_difference(records[:1] + records[4:5], "test") is None
