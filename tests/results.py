@@ -153,7 +153,7 @@ def table(records, phase):
 
 def paired_difference(records, phase, run="drloc", baseline="drloc_base"):
     """DRLoc's comparison: top-1 of `run` minus `baseline` seed by seed (a seed fixes the backbone's
-    initialisation, the batch order and the augmentations of both runs), as mean ± standard
+    initialisation and the batch order of both runs), as mean ± standard
     deviation over the seeds both have, and whether the mean is beyond two standard errors."""
     top1 = {}
     for r in records:
