@@ -762,20 +762,41 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
             f"({batch_size} per process x {get_world_size()} processes); lower --batch_size_per_gpu")
     sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train,
                                with_epoch=isinstance(dataset, SeededDataset))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                                         pin_memory=torch.cuda.is_available(), drop_last=train,
-                                         persistent_workers=num_workers > 0,
-                                         generator=torch.Generator().manual_seed(seed),
-                                         worker_init_fn=ignore_preemption_signals)
+    loader = PreemptibleLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                               pin_memory=torch.cuda.is_available(), drop_last=train,
+                               persistent_workers=num_workers > 0,
+                               generator=torch.Generator().manual_seed(seed),
+                               worker_init_fn=ignore_preemption_signals)
     return loader, sampler
 
 
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptibleLoader(torch.utils.data.DataLoader):
+    """SLURM and torchrun send the preemption signal to every process of the job, loader workers
+    included. A worker killed by it would take its training process down before the checkpoint, so
+    workers ignore it (`ignore_preemption_signals`) and the training process alone finishes its
+    step, saves and shuts them. A worker only reaches its `worker_init_fn` some time after it is
+    forked, and until then torch's own handler lets the signal kill it: the workers are therefore
+    started with the signals blocked (a child inherits the mask), and a signal sent to the training
+    process meanwhile is delivered when it unblocks them."""
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def ignore_preemption_signals(_worker_id):
-    """In a loader worker: SLURM and torchrun send the preemption signal to every process of the
-    job, workers included. A worker killed by it would take its training process down before the
-    checkpoint; ignoring it lets the training process finish its step, save and shut the workers."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    """In a loader worker, born with the preemption signals blocked: ignore them (which also drops
+    one already pending), then unblock them."""
+    for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
 
 
 @atexit.register  # registered after multiprocessing's exit handler, so it runs before it
@@ -798,7 +819,7 @@ def install_preemption_handler():
     def handler(signum, frame):
         global _preemption_signal
         _preemption_signal = signal.Signals(signum).name
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
 
 

@@ -7,8 +7,10 @@ The few reference numbers taken from the DINO authors' code live in tests/data/c
 """
 import copy
 import math
+import os
 import random
 import re
+import signal
 import sys
 import warnings
 from argparse import Namespace
@@ -641,6 +643,22 @@ def test_persistent_workers_see_every_epoch():
     for with_workers, in_main in zip(epochs[2], epochs[0]):
         assert torch.equal(with_workers, in_main)
     assert ds.epoch == 0 and len({tuple(e[:, 2].sort().values.tolist()) for e in epochs[2]}) == 3  # new draws
+
+
+def sigterm_to_self_before_ignoring(worker_id, ignore=common.ignore_preemption_signals):
+    os.kill(os.getpid(), signal.SIGTERM)   # a job-wide SIGTERM that reaches a worker still starting up
+    ignore(worker_id)
+
+
+def test_loader_worker_survives_a_preemption_signal_sent_before_its_init(monkeypatch):
+    """Until its worker_init_fn ignores SIGTERM, torch's handler in a worker dies of it, and the
+    training process with it (CI saw this). make_loader's workers are born with it blocked."""
+    monkeypatch.setattr(common, "ignore_preemption_signals", sigterm_to_self_before_ignoring)
+    loader, _ = common.make_loader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=4, num_workers=1,
+                                   train=False)
+    for _epoch in range(2):   # the persistent worker is still alive for the next epoch
+        assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])   # the main process is unblocked again
 
 
 def test_sample_seed_distinct_and_stable():
