@@ -779,8 +779,8 @@ class PreemptibleLoader(torch.utils.data.DataLoader):
     workers ignore it (`ignore_preemption_signals`) and the training process alone finishes its
     step, saves and shuts them. A worker only reaches its `worker_init_fn` some time after it is
     forked, and until then torch's own handler lets the signal kill it: the workers are therefore
-    started with the signals blocked (a child inherits the mask), and a signal sent to the training
-    process meanwhile is delivered when it unblocks them."""
+    started with the signals blocked (a forked or spawned child inherits the mask), and a signal sent
+    to the training process meanwhile is delivered when it unblocks them."""
     def __iter__(self):
         if self.num_workers == 0:
             return super().__iter__()
