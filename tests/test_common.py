@@ -651,8 +651,8 @@ def sigterm_to_self_before_ignoring(worker_id, ignore=common.ignore_preemption_s
 
 
 def test_loader_worker_survives_a_preemption_signal_sent_before_its_init(monkeypatch):
-    """Until its worker_init_fn ignores SIGTERM, torch's handler in a worker dies of it, and the
-    training process with it (CI saw this). make_loader's workers are born with it blocked."""
+    """Until its worker_init_fn runs, a worker has torch's SIGTERM handler and dies of the signal,
+    taking the training process with it (CI saw this). make_loader's workers are born with it blocked."""
     monkeypatch.setattr(common, "ignore_preemption_signals", sigterm_to_self_before_ignoring)
     loader, _ = common.make_loader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=4, num_workers=1,
                                    train=False)
