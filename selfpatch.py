@@ -41,7 +41,8 @@ silent, this file follows the code:
     patches have 3 candidates and edge patches 5;
   * the teacher runs on every crop, the local ones too (every crop has a patch term; a comment in
     the code says otherwise), and the image-token center averages the teacher outputs of all crops
-    (DINO: the 2 global crops);
+    (DINO: the 2 global crops, the only teacher image outputs used as targets; `--center_crops
+    global` gives DINO's choice);
   * crop area ranges are (0.25, 1) global and (0.05, 0.25) local (DINO: (0.4, 1) and (0.05, 0.4));
   * DINO's code choices carry over: mean over crop pairs, per-parameter gradient clipping, DINO's
     bicubic position-embedding interpolation for other grid sizes (`common.ViT`).
@@ -95,6 +96,9 @@ def get_args_parser():
     g.add_argument("--neighbors_wrap", default=True, type=common.bool_flag,
                    help="the 3x3 window wraps around the grid borders, as in the authors' code; with false, "
                         "corner patches have only 3 candidates, so --k_num must be at most 3")
+    g.add_argument("--center_crops", default="all", choices=["all", "global"],
+                   help="teacher image outputs averaged into the image-token center: of all crops (authors' "
+                        "code) or of the 2 global crops, the only ones used as targets (DINO)")
     g.add_argument("--patch_loss_weight", default=0.1, type=common.NONNEGATIVE,
                    help="weight of the patch loss (authors' code)")
     g.add_argument("--norm_last_layer", default=True, type=common.bool_flag,
@@ -143,10 +147,11 @@ class SelfPatchLoss(nn.Module):
 
     def __init__(self, out_dim, patch_out_dim, ncrops, warmup_teacher_temp, teacher_temp,
                  warmup_teacher_temp_epochs, nepochs, patch_loss_weight=0.1, student_temp=0.1,
-                 center_momentum=0.9):
+                 center_momentum=0.9, center_crops="all"):
         super().__init__()
         self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
         self.patch_loss_weight = patch_loss_weight
+        self.center_crops = center_crops                        # "all" (authors' code) or "global" (DINO)
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.register_buffer("patch_center", torch.zeros(1, patch_out_dim))
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
@@ -180,9 +185,12 @@ class SelfPatchLoss(nn.Module):
 
     @torch.no_grad()
     def update_centers(self, teacher_image, teacher_patches):
-        """EMA of the mean raw teacher output of every process: image logits of all crops, and patch
-        logits of all patches of all crops (each patch weighs the same, whatever its crop's size)."""
+        """EMA of the mean raw teacher output of every process: image logits of all crops (or of the 2
+        global ones, `center_crops="global"`), and patch logits of all patches of all crops (each
+        patch weighs the same, whatever its crop's size)."""
         world = common.get_world_size()
+        if self.center_crops == "global":                        # crop-major rows: the first 2 crops
+            teacher_image = teacher_image[: 2 * len(teacher_image) // self.ncrops]
         image_center = common.all_reduce_sum(teacher_image.sum(dim=0, keepdim=True)) / (len(teacher_image) * world)
         patch_sum = common.all_reduce_sum(sum(t.float().sum(dim=(0, 1)) for t in teacher_patches)[None])
         patch_center = patch_sum / (sum(t.shape[0] * t.shape[1] for t in teacher_patches) * world)
@@ -388,7 +396,7 @@ def main(args):
 
     criterion = SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2, args.warmup_teacher_temp,
                               args.teacher_temp, args.warmup_teacher_temp_epochs, args.epochs,
-                              args.patch_loss_weight).to(device)
+                              args.patch_loss_weight, center_crops=args.center_crops).to(device)
     params = common.get_params_groups(student)
     optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
                  else torch.optim.SGD(params, lr=0, momentum=0.9))

@@ -179,7 +179,8 @@ def test_aggregation_matches_authors():
 # ------------------------------------------------------------------------------------------------
 # Loss
 # ------------------------------------------------------------------------------------------------
-def naive_loss(s_image, s_patches, t_image, t_patches, center, patch_center, temp, ncrops, batch, weight):
+def naive_loss(s_image, s_patches, t_image, t_patches, center, patch_center, temp, ncrops, batch, weight,
+               center_crops="all"):
     """The loss with one loop per crop pair, image and patch (per-crop lists, crop-major)."""
     s_img, t_img = s_image.chunk(ncrops), t_image.chunk(ncrops)
     s_pat = [crop for group in s_patches for crop in group.chunk(len(group) // batch)]
@@ -200,16 +201,19 @@ def naive_loss(s_image, s_patches, t_image, t_patches, center, patch_center, tem
         crops.append(sum(H(t_pat[v][b, i], s_pat[v][b, i], patch_center[0])
                          for b in range(batch) for i in range(n)) / (batch * n))
     patch_loss = sum(crops) / ncrops
-    new_center = 0.9 * center + 0.1 * t_image.mean(0, keepdim=True)
+    centered = t_img if center_crops == "all" else t_img[:2]
+    new_center = 0.9 * center + 0.1 * sum(crop.sum(0, keepdim=True) for crop in centered) / (len(centered) * batch)
     all_patches = torch.cat([t.flatten(0, 1) for t in t_patches])
     new_patch_center = 0.9 * patch_center + 0.1 * all_patches.mean(0, keepdim=True)
     return cls_loss + weight * patch_loss, cls_loss, patch_loss, new_center, new_patch_center
 
 
-def test_loss_against_naive_loop():
+@pytest.mark.parametrize("center_crops", ["all", "global"])
+def test_loss_against_naive_loop(center_crops):
     torch.manual_seed(0)
     B, V, K, Kp, epoch = 3, 4, 12, 7, 1
-    crit = sp.SelfPatchLoss(K, Kp, V, 0.04, 0.07, warmup_teacher_temp_epochs=3, nepochs=5, patch_loss_weight=0.3)
+    crit = sp.SelfPatchLoss(K, Kp, V, 0.04, 0.07, warmup_teacher_temp_epochs=3, nepochs=5, patch_loss_weight=0.3,
+                            center_crops=center_crops)
     crit.center.copy_(torch.randn(1, K))
     crit.patch_center.copy_(torch.randn(1, Kp))
     center, patch_center = crit.center.clone(), crit.patch_center.clone()
@@ -222,7 +226,7 @@ def test_loss_against_naive_loop():
 
     leaves = [x.detach().clone().requires_grad_(True) for x in [s_image, *s_patches]]
     ref = naive_loss(leaves[0], leaves[1:], t_image.detach(), [t.detach() for t in t_patches], center,
-                     patch_center, crit.teacher_temp_schedule[epoch], V, B, 0.3)
+                     patch_center, crit.teacher_temp_schedule[epoch], V, B, 0.3, center_crops)
     ref[0].backward()
     for got, want in zip((out["loss"], out["cls_loss"], out["patch_loss"]), ref[:3]):
         torch.testing.assert_close(got, want.detach())
