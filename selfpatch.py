@@ -151,7 +151,9 @@ class SelfPatchLoss(nn.Module):
         super().__init__()
         self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
         self.patch_loss_weight = patch_loss_weight
-        self.center_crops = center_crops                        # "all" (authors' code) or "global" (DINO)
+        if center_crops not in ("all", "global"):
+            raise ValueError(f"center_crops must be 'all' (authors' code) or 'global' (DINO), not {center_crops!r}")
+        self.center_crops = center_crops
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.register_buffer("patch_center", torch.zeros(1, patch_out_dim))
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
