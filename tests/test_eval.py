@@ -1,6 +1,7 @@
 """eval_knn.py and eval_linear.py: the weighted k-NN vote against a naive per-sample statement and
 the DINO authors' numbers, strict loading of every supported checkpoint layout, the linear-probe
-features (ViT and Swin), the linear probe's training, and both scripts end to end on `synthetic`.
+features (ViT and Swin), the linear probe's training, both scripts end to end on `synthetic`, and
+extras/teacher_outputs.py (its statistics against a loop, and its teacher against dino.py's model).
 
 tests/data/eval_knn_reference.pt holds inputs and outputs of the DINO authors' knn_classifier
 (facebookresearch/dino @ 7c446df5, eval_knn.py; see its "source" entry).
@@ -23,6 +24,9 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import eval_linear  # noqa: E402
+
+sys.path.append(str(ROOT / "extras"))
+import teacher_outputs  # noqa: E402
 
 KNN_REFERENCE = torch.load(ROOT / "tests/data/eval_knn_reference.pt", weights_only=True)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -398,3 +402,47 @@ def test_eval_linear_end_to_end_and_resume(dino_run, tmp_path):
     assert not torch.equal(first["linear"]["linear.weight"], second["linear"]["linear.weight"])
     lr = 0.001 * 8 / 256
     assert [r["lr"] for r in records] == pytest.approx([lr, lr / 2])  # cosine over the resumed run's 2 epochs
+
+
+# ================================================================================================
+# extras/teacher_outputs.py: how the teacher's image head spreads images over its K outputs
+# ================================================================================================
+def test_head_statistics_against_loop():
+    torch.manual_seed(0)
+    logits, center, temp = torch.randn(7, 11) * 3, torch.randn(1, 11), 0.5
+    p = [[math.exp((logits[i, k] - center[0, k]) / temp) for k in range(11)] for i in range(7)]
+    p = [[v / sum(row) for v in row] for row in p]
+    h = sum(-sum(v * math.log(v) for v in row) for row in p) / 7
+    mean = [sum(p[i][k] for i in range(7)) / 7 for k in range(11)]
+    h_bar = -sum(v * math.log(v) for v in mean)
+    used = len({max(range(11), key=row.__getitem__) for row in p})
+    got = teacher_outputs.head_statistics(logits, center, temp)
+    assert got[0] == pytest.approx(h, abs=1e-5) and got[1] == pytest.approx(h_bar, abs=1e-5) and got[2] == used
+    # the two collapses: uniform targets (h = ln K), and one output winning for every image (h_bar -> 0)
+    assert teacher_outputs.head_statistics(torch.zeros(5, 8), torch.zeros(1, 8), 0.04)[0] == pytest.approx(math.log(8))
+    one = torch.zeros(5, 8)
+    one[:, 3] = 10.0
+    assert teacher_outputs.head_statistics(one, torch.zeros(1, 8), 0.04)[1:] == (pytest.approx(0.0, abs=1e-6), 1)
+
+
+def test_teacher_outputs_of_a_dino_run(dino_run):
+    """The script reassembles the teacher (backbone's CLS -> image head, centre, final temperature)
+    exactly as dino.py's model computes it."""
+    import dino  # the reference: the method's own model
+    path = str(dino_run / "checkpoint.pth")
+    args = teacher_outputs.get_args_parser().parse_args(["--pretrained_weights", path, "--max_images", "12", *DATA])
+    got = teacher_outputs.main(args)
+    ckpt = torch.load(path, weights_only=True)
+    model = dino.build_model(argparse.Namespace(**ckpt["args"]), 0.0)
+    model.load_state_dict(ckpt["teacher"])
+    dataset = common.build_dataset(args, train=False)
+    images = torch.stack([common.eval_transform(32, 32)(dataset[i][0]) for i in range(12)])
+    with torch.no_grad():
+        expected = teacher_outputs.head_statistics(model.eval()([images]), ckpt["dino_loss"]["center"],
+                                                   ckpt["args"]["teacher_temp"])
+    assert got[:2] == pytest.approx(expected[:2], abs=1e-4) and got[2] == expected[2]
+
+
+def test_teacher_outputs_refuses_a_supervised_checkpoint():
+    with pytest.raises(SystemExit, match="drloc checkpoint has no self-distillation image head"):
+        teacher_outputs.load_teacher_head({"method": "drloc", "args": {}, "teacher": {}})

@@ -5,6 +5,7 @@ Reference cases: tests/data/selfpatch_*.pt hold small cases computed by running 
 official ViT), copied from the project's reference file selfpatch.pt (see the "source" entry of
 each file). The other tests restate the method naively, with loops, on random inputs.
 """
+import argparse
 import json
 import os
 import subprocess
@@ -430,3 +431,22 @@ def test_training_runs_and_resumes(tmp_path, capsys):
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
     assert 0 <= json.loads(lines[1])["corr_glsd_accuracy"] <= 100   # --monitor_correspondence: CLS-free backbone
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 2
+
+    # extras/teacher_outputs.py reassembles the teacher's image path (aggregated image token -> c_head)
+    # as SelfPatch's own model computes it
+    sys.path.append(str(ROOT / "extras"))
+    import teacher_outputs
+    data = ["--dataset", "synthetic", "--synthetic_images", "64", "--synthetic_image_size", "32",
+            "--resize", "32", "--crop", "32", "--num_workers", "0"]
+    args = teacher_outputs.get_args_parser().parse_args(
+        ["--pretrained_weights", str(tmp_path / "checkpoint.pth"), "--max_images", "10", *data])
+    got = teacher_outputs.main(args)
+    ckpt = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    model = sp.build_model(argparse.Namespace(**ckpt["args"]), 0.0)
+    model.load_state_dict(ckpt["teacher"])
+    dataset = common.build_dataset(args, train=False)
+    images = torch.stack([common.eval_transform(32, 32)(dataset[i][0]) for i in range(10)])
+    with torch.no_grad():
+        image_logits, _ = model.eval()([images])
+    expected = teacher_outputs.head_statistics(image_logits, ckpt["selfpatch_loss"]["center"], ckpt["args"]["teacher_temp"])
+    assert got[:2] == pytest.approx(expected[:2], abs=1e-4) and got[2] == expected[2]
