@@ -35,7 +35,9 @@ def get_args_parser():
     p = argparse.ArgumentParser("teacher_outputs.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--pretrained_weights", required=True, help="a checkpoint.pth written by a method of this repository")
-    p.add_argument("--max_images", default=2000, type=common.POSITIVE_INT, help="the first N images of the evaluation split (the test split; with --holdout, the held-out train images)")
+    p.add_argument("--max_images", default=2000, type=common.POSITIVE_INT,
+                   help="the first N images of the evaluation split (the test split; with --holdout, the held-out "
+                        "train images)")
     common.add_eval_data_args(p, batch_size=250)
     return p
 
@@ -54,13 +56,15 @@ def load_teacher_head(ckpt):
     method, args = ckpt.get("method"), ckpt["args"]
     if method not in HEAD_KEYS:
         common.die(f"a {method} checkpoint has no self-distillation image head; use one of DINO, EsViT, GLSD, SelfPatch")
-    prefix = HEAD_KEYS[method]
+    prefix, loss_key = HEAD_KEYS[method], f"{method}_loss"
     state = {k[len(prefix):]: v for k, v in ckpt["teacher"].items() if k.startswith(prefix)}
+    if "last_layer.weight_v" not in state or "center" not in ckpt.get(loss_key, {}):
+        common.die(f"the {method} checkpoint lacks its teacher image head ({prefix}*) or its centre ({loss_key})")
     dim = state["mlp.0.weight"].shape[1] if "mlp.0.weight" in state else state["mlp.weight"].shape[1]
     head = common.DINOHead(dim, args["out_dim"], use_bn=args["use_bn_in_head"], norm_last_layer=args["norm_last_layer"],
                            hidden_dim=args["head_hidden_dim"], bottleneck_dim=args["head_bottleneck_dim"])
     common.load_state_dict_strict(head, state, what=f"{method} teacher image head")
-    return head.eval(), ckpt[f"{method}_loss"]["center"], args["teacher_temp"]
+    return head.eval(), ckpt[loss_key]["center"], args["teacher_temp"]
 
 
 @torch.no_grad()

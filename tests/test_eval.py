@@ -446,3 +446,5 @@ def test_teacher_outputs_of_a_dino_run(dino_run):
 def test_teacher_outputs_refuses_a_supervised_checkpoint():
     with pytest.raises(SystemExit, match="drloc checkpoint has no self-distillation image head"):
         teacher_outputs.load_teacher_head({"method": "drloc", "args": {}, "teacher": {}})
+    with pytest.raises(SystemExit, match=r"lacks its teacher image head \(head.\*\) or its centre \(dino_loss\)"):
+        teacher_outputs.load_teacher_head({"method": "dino", "args": {}, "teacher": {"backbone.x": torch.zeros(1)}})
