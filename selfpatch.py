@@ -48,6 +48,8 @@ silent, this file follows the code:
     bicubic position-embedding interpolation for other grid sizes (`common.ViT`).
 Other choices of this file: the authors' code accepts only 14x14 and 6x6 grids; here the
 neighbour table is built for any grid, and a grid too small for k positives stops with an error.
+`--patch_teacher_temp` gives the patch term a temperature of its own (the paper and the code use
+one temperature for both terms; the option is for small-image experiments, off by default).
 Key names follow the authors' code (backbone, ca_head, c_head, p_head), so their checkpoints load.
 Only ViT backbones (SelfPatch's backbone has no CLS token and no final norm).
 Precision: the authors train in fp16 with a grad scaler (`--use_fp16`, default true). Here the
@@ -111,6 +113,8 @@ def get_args_parser():
     g.add_argument("--warmup_teacher_temp", default=0.04, type=common.POSITIVE, help="teacher temperature at epoch 0")
     g.add_argument("--teacher_temp", default=0.04, type=common.POSITIVE,
                    help="teacher temperature after warmup (both terms); above 0.07 training becomes unstable")
+    g.add_argument("--patch_teacher_temp", default=None, type=common.POSITIVE,
+                   help="a constant teacher temperature for the patch term alone; None: the image term's schedule")
     g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.COUNT,
                    help="epochs of linear teacher-temperature warmup")
 
@@ -147,7 +151,7 @@ class SelfPatchLoss(nn.Module):
 
     def __init__(self, out_dim, patch_out_dim, ncrops, warmup_teacher_temp, teacher_temp,
                  warmup_teacher_temp_epochs, nepochs, patch_loss_weight=0.1, student_temp=0.1,
-                 center_momentum=0.9, center_crops="all"):
+                 center_momentum=0.9, center_crops="all", patch_teacher_temp=None):
         super().__init__()
         self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
         self.patch_loss_weight = patch_loss_weight
@@ -158,6 +162,7 @@ class SelfPatchLoss(nn.Module):
         self.register_buffer("patch_center", torch.zeros(1, patch_out_dim))
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
             warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs)
+        self.patch_teacher_temp = patch_teacher_temp            # None: the image term's schedule
 
     def forward(self, student_output, teacher_output, epoch):
         """Each output is (image logits [ncrops*B, K], patch logits [[n*B, N, K_p] per resolution
@@ -173,9 +178,10 @@ class SelfPatchLoss(nn.Module):
         is_other_crop = ~torch.eye(2, self.ncrops, dtype=torch.bool, device=ce.device)
         cls_loss = ce[is_other_crop].mean()
         # patches: same crop for both networks; mean over the patches of each crop, then over crops
+        patch_temp = self.patch_teacher_temp or temp
         patch_ce = []
         for s, t in zip(student_patches, teacher_patches):      # one [n*B, N, K_p] pair per resolution
-            q_patch = F.softmax((t.float() - self.patch_center) / temp, dim=-1).detach()
+            q_patch = F.softmax((t.float() - self.patch_center) / patch_temp, dim=-1).detach()
             patch_ce.append(-(q_patch * F.log_softmax(s.float() / self.student_temp, dim=-1)).sum(-1).mean(-1))
         patch_loss = torch.cat(patch_ce).mean()                 # [ncrops*B] per-(crop, image) means
         loss = cls_loss + self.patch_loss_weight * patch_loss
@@ -398,7 +404,8 @@ def main(args):
 
     criterion = SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2, args.warmup_teacher_temp,
                               args.teacher_temp, args.warmup_teacher_temp_epochs, args.epochs,
-                              args.patch_loss_weight, center_crops=args.center_crops).to(device)
+                              args.patch_loss_weight, center_crops=args.center_crops,
+                              patch_teacher_temp=args.patch_teacher_temp).to(device)
     params = common.get_params_groups(student)
     optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
                  else torch.optim.SGD(params, lr=0, momentum=0.9))

@@ -181,14 +181,15 @@ def test_aggregation_matches_authors():
 # Loss
 # ------------------------------------------------------------------------------------------------
 def naive_loss(s_image, s_patches, t_image, t_patches, center, patch_center, temp, ncrops, batch, weight,
-               center_crops="all"):
+               center_crops="all", patch_temp=None):
     """The loss with one loop per crop pair, image and patch (per-crop lists, crop-major)."""
+    patch_temp = patch_temp or temp
     s_img, t_img = s_image.chunk(ncrops), t_image.chunk(ncrops)
     s_pat = [crop for group in s_patches for crop in group.chunk(len(group) // batch)]
     t_pat = [crop for group in t_patches for crop in group.chunk(len(group) // batch)]
 
-    def H(t, s, c):
-        return -(F.softmax((t - c) / temp, dim=-1) * F.log_softmax(s / 0.1, dim=-1)).sum()
+    def H(t, s, c, tau=temp):
+        return -(F.softmax((t - c) / tau, dim=-1) * F.log_softmax(s / 0.1, dim=-1)).sum()
 
     pairs = []
     for t in range(2):
@@ -199,7 +200,7 @@ def naive_loss(s_image, s_patches, t_image, t_patches, center, patch_center, tem
     crops = []
     for v in range(ncrops):
         n = t_pat[v].shape[1]
-        crops.append(sum(H(t_pat[v][b, i], s_pat[v][b, i], patch_center[0])
+        crops.append(sum(H(t_pat[v][b, i], s_pat[v][b, i], patch_center[0], patch_temp)
                          for b in range(batch) for i in range(n)) / (batch * n))
     patch_loss = sum(crops) / ncrops
     centered = t_img if center_crops == "all" else t_img[:2]
@@ -209,12 +210,12 @@ def naive_loss(s_image, s_patches, t_image, t_patches, center, patch_center, tem
     return cls_loss + weight * patch_loss, cls_loss, patch_loss, new_center, new_patch_center
 
 
-@pytest.mark.parametrize("center_crops", ["all", "global"])
-def test_loss_against_naive_loop(center_crops):
+@pytest.mark.parametrize("center_crops, patch_temp", [("all", None), ("global", None), ("all", 0.02)])
+def test_loss_against_naive_loop(center_crops, patch_temp):
     torch.manual_seed(0)
     B, V, K, Kp, epoch = 3, 4, 12, 7, 1
     crit = sp.SelfPatchLoss(K, Kp, V, 0.04, 0.07, warmup_teacher_temp_epochs=3, nepochs=5, patch_loss_weight=0.3,
-                            center_crops=center_crops)
+                            center_crops=center_crops, patch_teacher_temp=patch_temp)
     crit.center.copy_(torch.randn(1, K))
     crit.patch_center.copy_(torch.randn(1, Kp))
     center, patch_center = crit.center.clone(), crit.patch_center.clone()
@@ -227,7 +228,7 @@ def test_loss_against_naive_loop(center_crops):
 
     leaves = [x.detach().clone().requires_grad_(True) for x in [s_image, *s_patches]]
     ref = naive_loss(leaves[0], leaves[1:], t_image.detach(), [t.detach() for t in t_patches], center,
-                     patch_center, crit.teacher_temp_schedule[epoch], V, B, 0.3, center_crops)
+                     patch_center, crit.teacher_temp_schedule[epoch], V, B, 0.3, center_crops, patch_temp)
     ref[0].backward()
     for got, want in zip((out["loss"], out["cls_loss"], out["patch_loss"]), ref[:3]):
         torch.testing.assert_close(got, want.detach())
