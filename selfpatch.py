@@ -178,7 +178,7 @@ class SelfPatchLoss(nn.Module):
         is_other_crop = ~torch.eye(2, self.ncrops, dtype=torch.bool, device=ce.device)
         cls_loss = ce[is_other_crop].mean()
         # patches: same crop for both networks; mean over the patches of each crop, then over crops
-        patch_temp = self.patch_teacher_temp or temp
+        patch_temp = temp if self.patch_teacher_temp is None else self.patch_teacher_temp
         patch_ce = []
         for s, t in zip(student_patches, teacher_patches):      # one [n*B, N, K_p] pair per resolution
             q_patch = F.softmax((t.float() - self.patch_center) / patch_temp, dim=-1).detach()

@@ -183,7 +183,7 @@ def test_aggregation_matches_authors():
 def naive_loss(s_image, s_patches, t_image, t_patches, center, patch_center, temp, ncrops, batch, weight,
                center_crops="all", patch_temp=None):
     """The loss with one loop per crop pair, image and patch (per-crop lists, crop-major)."""
-    patch_temp = patch_temp or temp
+    patch_temp = temp if patch_temp is None else patch_temp
     s_img, t_img = s_image.chunk(ncrops), t_image.chunk(ncrops)
     s_pat = [crop for group in s_patches for crop in group.chunk(len(group) // batch)]
     t_pat = [crop for group in t_patches for crop in group.chunk(len(group) // batch)]
