@@ -854,11 +854,21 @@ def cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epoch
     return schedule
 
 
-def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epochs, nepochs):
-    """Per-epoch teacher temperature: linspace(warmup, final, warmup_epochs) (endpoint included),
-    then constant. The same schedule drives every self-distillation loss in this repository."""
-    return np.concatenate((np.linspace(warmup_teacher_temp, teacher_temp, warmup_epochs),
-                           np.ones(max(nepochs - warmup_epochs, 0)) * teacher_temp))
+def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epochs, nepochs, niter_per_ep=1):
+    """Teacher temperature, one value per iteration: a linear warm-up from `warmup_teacher_temp` to
+    `teacher_temp` (endpoint included), then constant. The same schedule drives every
+    self-distillation loss in this repository.
+
+    A whole number of warm-up epochs ramps per epoch, as the authors' code does (every step of epoch e
+    uses linspace(warmup, final, warmup_epochs)[e]); a fractional one ramps per step over
+    int(warmup_epochs * niter_per_ep) steps, so that a one-epoch run can warm up too. With
+    niter_per_ep = 1 the table is indexed by epoch."""
+    if float(warmup_epochs).is_integer():
+        warmup = np.repeat(np.linspace(warmup_teacher_temp, teacher_temp, int(warmup_epochs)), niter_per_ep)
+    else:
+        warmup = np.linspace(warmup_teacher_temp, teacher_temp, int(warmup_epochs * niter_per_ep))
+    total = nepochs * niter_per_ep     # a warm-up longer than the run is cut where the run ends
+    return np.concatenate((warmup, np.ones(max(total - len(warmup), 0)) * teacher_temp))[:total]
 
 
 def get_params_groups(model, no_decay_names=()):

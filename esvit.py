@@ -93,8 +93,9 @@ def get_args_parser():
     g.add_argument("--warmup_teacher_temp", default=0.04, type=common.POSITIVE, help="teacher temperature at epoch 0")
     g.add_argument("--teacher_temp", default=0.07, type=common.POSITIVE,
                    help="teacher temperature after warmup; above 0.07 training becomes unstable")
-    g.add_argument("--warmup_teacher_temp_epochs", default=30, type=common.COUNT,
-                   help="epochs of linear teacher-temperature warmup")
+    g.add_argument("--warmup_teacher_temp_epochs", default=30, type=common.NONNEGATIVE,
+                   help="epochs of linear teacher-temperature warmup; whole epochs ramp per epoch as the "
+                        "authors' code, a fraction per step (0.5 = half an epoch)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=32, type=common.POSITIVE_INT,
@@ -137,18 +138,19 @@ class EsViTLoss(nn.Module):
     Without the region loss: DINO's loss exactly (weight 1 on the view term)."""
 
     def __init__(self, out_dim, ncrops, warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs,
-                 nepochs, use_region_loss=True, student_temp=0.1, center_momentum=0.9):
+                 nepochs, use_region_loss=True, student_temp=0.1, center_momentum=0.9, niter_per_ep=1):
         super().__init__()
         self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
         self.use_region_loss = use_region_loss
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.register_buffer("center_grid", torch.zeros(1, out_dim))
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
-            warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs)
+            warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs, niter_per_ep)
 
-    def forward(self, student, teacher, epoch):
-        """student: `Outputs` of all crops; teacher: `Outputs` of the 2 global crops."""
-        temp = self.teacher_temp_schedule[epoch]
+    def forward(self, student, teacher, step):
+        """student: `Outputs` of all crops; teacher: `Outputs` of the 2 global crops; `step`, the global
+        iteration, picks the teacher temperature."""
+        temp = self.teacher_temp_schedule[step]
         log_p = F.log_softmax(student.view.float() / self.student_temp, dim=-1).unflatten(0, (self.ncrops, -1))
         q = F.softmax((teacher.view.float() - self.center) / temp, dim=-1).detach().unflatten(0, (2, -1))
         batch = q.shape[1]
@@ -261,7 +263,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             with torch.no_grad():
                 teacher_output = teacher(crops[:2])      # the teacher sees the 2 global crops only
             student_output = student(crops)
-        losses = criterion(student_output, teacher_output, epoch)  # float32: outside autocast
+        losses = criterion(student_output, teacher_output, step)  # float32: outside autocast
         loss = losses["loss"]
         common.stop_if_not_finite(loss, epoch, args, lambda: {
             "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
@@ -278,7 +280,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         common.update_teacher(student, teacher, momentum)
 
         stats = {k: v.item() for k, v in losses.items()}
-        stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[epoch]))
+        stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
         images += len(crops[0]) * common.get_world_size()
@@ -328,15 +330,16 @@ def main(args):
         student = nn.parallel.DistributedDataParallel(student, device_ids=[device] if device.type == "cuda" else None)
     common.log(f"student and teacher: {args.arch}, {sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters each")
 
+    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
     criterion = EsViTLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp, args.teacher_temp,
-                          args.warmup_teacher_temp_epochs, args.epochs, args.use_region_loss).to(device)
+                          args.warmup_teacher_temp_epochs, args.epochs, args.use_region_loss,
+                          niter_per_ep=n_steps).to(device)
     params = common.get_params_groups(student)
     optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
                  else torch.optim.SGD(params, lr=0, momentum=0.9))
     scaler = common.make_grad_scaler(device, args.precision)
 
     # ---- schedules, one value per iteration (lr scaled linearly with the total batch)
-    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
     total_batch = args.batch_size_per_gpu * common.get_world_size()
     schedules = {
         "lr": common.cosine_scheduler(args.lr * total_batch / 256, args.min_lr, args.epochs, n_steps, args.warmup_epochs),

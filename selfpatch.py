@@ -115,8 +115,9 @@ def get_args_parser():
                    help="teacher temperature after warmup (both terms); above 0.07 training becomes unstable")
     g.add_argument("--patch_teacher_temp", default=None, type=common.POSITIVE,
                    help="a constant teacher temperature for the patch term alone; None: the image term's schedule")
-    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.COUNT,
-                   help="epochs of linear teacher-temperature warmup")
+    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.NONNEGATIVE,
+                   help="epochs of linear teacher-temperature warmup; whole epochs ramp per epoch as the "
+                        "authors' code, a fraction per step (0.5 = half an epoch)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=64, type=common.POSITIVE_INT,
@@ -151,7 +152,7 @@ class SelfPatchLoss(nn.Module):
 
     def __init__(self, out_dim, patch_out_dim, ncrops, warmup_teacher_temp, teacher_temp,
                  warmup_teacher_temp_epochs, nepochs, patch_loss_weight=0.1, student_temp=0.1,
-                 center_momentum=0.9, center_crops="all", patch_teacher_temp=None):
+                 center_momentum=0.9, center_crops="all", patch_teacher_temp=None, niter_per_ep=1):
         super().__init__()
         self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
         self.patch_loss_weight = patch_loss_weight
@@ -161,15 +162,16 @@ class SelfPatchLoss(nn.Module):
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.register_buffer("patch_center", torch.zeros(1, patch_out_dim))
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
-            warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs)
+            warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs, niter_per_ep)
         self.patch_teacher_temp = patch_teacher_temp            # None: the image term's schedule
 
-    def forward(self, student_output, teacher_output, epoch):
+    def forward(self, student_output, teacher_output, step):
         """Each output is (image logits [ncrops*B, K], patch logits [[n*B, N, K_p] per resolution
-        group]), crop-major rows, as `SelfPatch.forward` returns them."""
+        group]), crop-major rows, as `SelfPatch.forward` returns them; `step`, the global iteration,
+        picks the teacher temperature."""
         (student_image, student_patches), (teacher_image, teacher_patches) = student_output, teacher_output
         student_image, teacher_image = student_image.float(), teacher_image.float()
-        temp = self.teacher_temp_schedule[epoch]
+        temp = self.teacher_temp_schedule[step]
         # image tokens: DINO's loss, the teacher's 2 global crops against every other crop
         log_p = F.log_softmax(student_image / self.student_temp, dim=-1).unflatten(0, (self.ncrops, -1))
         q = F.softmax((teacher_image.unflatten(0, (self.ncrops, -1))[:2] - self.center) / temp, dim=-1).detach()
@@ -334,7 +336,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             with torch.no_grad():
                 teacher_output = teacher(crops, aggregate_positives=True)  # every crop has a patch term
             student_output = student(crops)
-        losses = criterion(student_output, teacher_output, epoch)  # float32: outside autocast
+        losses = criterion(student_output, teacher_output, step)  # float32: outside autocast
         loss = losses["loss"]
         common.stop_if_not_finite(loss, epoch, args, lambda: {
             "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
@@ -351,7 +353,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         common.update_teacher(student, teacher, momentum)
 
         stats = {k: v.item() for k, v in losses.items()}
-        stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[epoch]))
+        stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
         images += len(crops[0]) * common.get_world_size()
@@ -402,17 +404,17 @@ def main(args):
         student = nn.parallel.DistributedDataParallel(student, device_ids=[device] if device.type == "cuda" else None)
     common.log(f"student and teacher: {args.arch}, {sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters each")
 
+    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
     criterion = SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2, args.warmup_teacher_temp,
                               args.teacher_temp, args.warmup_teacher_temp_epochs, args.epochs,
                               args.patch_loss_weight, center_crops=args.center_crops,
-                              patch_teacher_temp=args.patch_teacher_temp).to(device)
+                              patch_teacher_temp=args.patch_teacher_temp, niter_per_ep=n_steps).to(device)
     params = common.get_params_groups(student)
     optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
                  else torch.optim.SGD(params, lr=0, momentum=0.9))
     scaler = common.make_grad_scaler(device, args.precision)
 
     # ---- schedules, one value per iteration (lr scaled linearly with the total batch)
-    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
     total_batch = args.batch_size_per_gpu * common.get_world_size()
     schedules = {
         "lr": common.cosine_scheduler(args.lr * total_batch / 256, args.min_lr, args.epochs, n_steps, args.warmup_epochs),

@@ -862,6 +862,20 @@ def test_teacher_temperature_schedule():
     assert len(flat) == 100 and np.all(flat == 0.04)
 
 
+def test_teacher_temperature_schedule_per_step():
+    """One value per iteration: whole warm-up epochs ramp per epoch (the authors' code), a fraction
+    of an epoch ramps per step, and a warm-up longer than the run is cut where the run ends."""
+    per_epoch = common.teacher_temperature_schedule(0.04, 0.07, 20, 60)
+    per_step = common.teacher_temperature_schedule(0.04, 0.07, 20, 60, niter_per_ep=3)
+    assert len(per_step) == 180 and np.array_equal(per_step, np.repeat(per_epoch, 3))
+    half = common.teacher_temperature_schedule(0.04, 0.01, 0.5, 1, niter_per_ep=10)
+    np.testing.assert_allclose(half, [0.04, 0.0325, 0.025, 0.0175, 0.01] + [0.01] * 5, rtol=0, atol=1e-15)
+    two_and_half = common.teacher_temperature_schedule(0.04, 0.07, 2.5, 4, niter_per_ep=2)
+    np.testing.assert_allclose(two_and_half, [0.04, 0.0475, 0.055, 0.0625, 0.07, 0.07, 0.07, 0.07], atol=1e-15)
+    cut = common.teacher_temperature_schedule(0.04, 0.07, 30, 2, niter_per_ep=4)
+    assert len(cut) == 8 and np.all(cut[:4] == 0.04) and cut[4] == pytest.approx(0.04 + 0.03 / 29)
+
+
 class Wrapper(nn.Module):
     def __init__(self, backbone, head):
         super().__init__()

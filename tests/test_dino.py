@@ -174,6 +174,16 @@ def run_dino(*extra, cwd=ROOT):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def test_teacher_temperature_warms_up_within_one_epoch(tmp_path):
+    """--warmup_teacher_temp_epochs 0.5 of a 4-step epoch ramps over 2 steps (0.02, then 0.06 from
+    step 1 on): the epoch's mean temperature is 0.05. An epoch-indexed temperature would give 0.02."""
+    run = run_dino("--epochs", "1", "--max_steps_per_epoch", "4", "--warmup_teacher_temp", "0.02",
+                   "--teacher_temp", "0.06", "--warmup_teacher_temp_epochs", "0.5", "--output_dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((tmp_path / "log.txt").read_text().splitlines()[-1])
+    assert record["teacher_temp"] == pytest.approx(0.05, abs=1e-12)
+
+
 def test_two_step_run_then_resume(tmp_path):
     first = run_dino("--epochs", "1", "--max_steps_per_epoch", "2", "--output_dir", str(tmp_path))
     assert first.returncode == 0, first.stderr[-2000:]

@@ -84,8 +84,8 @@ class Recorder:
         monkeypatch.setattr(common, "update_teacher", recording_update_teacher)
 
     def before_loss(self, module, inputs):
-        epoch = inputs[2]                           # criterion(student, teacher, epoch, ...)
-        self.steps.append({"epoch": epoch, "teacher_temp": float(module.teacher_temp_schedule[epoch]),
+        step = inputs[2]                            # criterion(student, teacher, global step, ...)
+        self.steps.append({"step": step, "teacher_temp": float(module.teacher_temp_schedule[step]),
                            **{f"{c}_before": getattr(module, c).clone() for c in self.center_names}})
         if isinstance(inputs[0], torch.Tensor):      # DINO: the head outputs themselves
             self.steps[-1].update(student_output=inputs[0].detach().clone(), teacher_output=inputs[1].detach().clone())
@@ -132,8 +132,8 @@ def compare(recorder, case, student, centers=("center",), loss_parts=()):
     n = len(expected["loss"])
     assert len(got) == n, f"{len(got)} steps, the authors' loop took {n}"
     for i, step in enumerate(got):
-        where = f"step {i} (epoch {step['epoch']})"
-        assert step["epoch"] == expected["epoch"][i], where
+        where = f"step {i} (epoch {expected['epoch'][i]})"
+        assert step["step"] == i, f"the loss was given step {step['step']} at {where}"
         for k in ("lr", "lr_group1", "wd", "wd_group1", "momentum", "teacher_temp"):
             assert step[k] == pytest.approx(expected[k][i].item(), rel=1e-12, abs=1e-15), f"{k} at {where}"
         assert step["grad_none_last_layer"] == expected["grad_none_last_layer"][i], f"frozen last layer at {where}"
@@ -229,7 +229,7 @@ def run_dino(case, tmp_path, monkeypatch):
         return dino.DINO(backbone, head)
 
     criterion = dino.DINOLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp, args.teacher_temp,
-                              args.warmup_teacher_temp_epochs, args.epochs)
+                              args.warmup_teacher_temp_epochs, args.epochs, niter_per_ep=len(case["batches"]))
     return train(dino, case, build_model(), build_model(), criterion, args, monkeypatch)
 
 
@@ -255,7 +255,8 @@ def run_esvit(case, tmp_path, monkeypatch):
         return esvit.EsViT(backbone, *heads)
 
     criterion = esvit.EsViTLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp, args.teacher_temp,
-                                args.warmup_teacher_temp_epochs, args.epochs, args.use_region_loss)
+                                args.warmup_teacher_temp_epochs, args.epochs, args.use_region_loss,
+                                niter_per_ep=len(case["batches"]))
     return train(esvit, case, build_model(), build_model(), criterion, args, monkeypatch,
                  center_names=("center", "center_grid"), loss_parts=("view_loss", "region_loss"))
 
@@ -286,7 +287,8 @@ def run_glsd(case, tmp_path, monkeypatch):
         return glsd.GLSD(backbone, *heads)
 
     criterion = glsd.GLSDLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp, args.teacher_temp,
-                              args.warmup_teacher_temp_epochs, args.epochs, args.local_matching, args.match_threshold)
+                              args.warmup_teacher_temp_epochs, args.epochs, args.local_matching, args.match_threshold,
+                              niter_per_ep=len(case["batches"]))
     return train(glsd, case, build_model(), build_model(), criterion, args, monkeypatch,
                  center_names=("center", "center_grid"), loss_parts=("view_loss", "region_loss", "kept_fraction"))
 
@@ -323,7 +325,7 @@ def run_selfpatch(case, tmp_path, monkeypatch):
 
     criterion = selfpatch.SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2,
                                         args.warmup_teacher_temp, args.teacher_temp, args.warmup_teacher_temp_epochs,
-                                        args.epochs, args.patch_loss_weight)
+                                        args.epochs, args.patch_loss_weight, niter_per_ep=len(case["batches"]))
     return train(selfpatch, case, build_model(), build_model(), criterion, args, monkeypatch,
                  center_names=("center", "patch_center"), loss_parts=("cls_loss", "patch_loss"))
 
