@@ -1548,7 +1548,7 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
         if state is not None and not random_init:
             state, ignored = backbone_state_dict(state)
             if ignored:
-                log(f"ignored {len(ignored)} checkpoint entries that are not backbone weights: "
+                log(f"the backbone leaves out {len(ignored)} checkpoint entries that are not its weights: "
                     f"{', '.join(ignored[:6])}{' ...' if len(ignored) > 6 else ''}")
             load_state_dict_strict(model, state, what=f"{build['arch']} backbone")
     shape = f"window {info['window_size']}" if isinstance(backbone, Swin) else f"patch {info['patch_size']}"
