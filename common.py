@@ -461,12 +461,16 @@ class BadImageError(RuntimeError):
 
 @contextlib.contextmanager
 def user_errors():
-    """Turn an unreadable image met inside the data loader (possibly in a worker process, whose
-    traceback torch prepends) into a one-line error that names the file."""
+    """Around every script's main(): turn an unreadable image met inside the data loader (possibly
+    in a worker process, whose traceback torch prepends) into a one-line error that names the file.
+    After a successful main(), shut the process group down: left to the interpreter's exit, gloo's
+    threads can abort a finished process ("terminate called without an active exception")."""
     try:
         yield
     except BadImageError as e:
         raise SystemExit("error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]) from None
+    if is_dist():
+        dist.destroy_process_group()
 
 
 class ImageFolderSafe(tv_datasets.ImageFolder):

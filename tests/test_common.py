@@ -812,6 +812,25 @@ def test_all_reduce_helpers_without_process_group(monkeypatch):
     assert common.init_distributed("cpu") == torch.device("cpu") and not common.is_dist()
 
 
+def test_a_successful_main_shuts_its_process_group_down(tmp_path):
+    """Every script runs main() inside common.user_errors(): after success the process group is
+    destroyed (gloo left to the interpreter's exit can abort the process); after an error it is left
+    alone, since another process may still be in a collective."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this session")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(SystemExit), common.user_errors():
+            common.die("a user mistake")
+        assert common.is_dist()
+        with common.user_errors():
+            assert common.all_gather_objects(1) == [1]
+        assert not common.is_dist()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_all_reduce_helpers_in_a_one_process_group(tmp_path):
     if dist.is_initialized():
         pytest.skip("a process group already exists in this session")
