@@ -14,7 +14,8 @@ initialisation (`eval_knn.py --random_init` on the run's own checkpoint: the sam
 windows and seed), so every row carries its own baseline. k-NN: k = 20, T = 0.07 (eval_knn.py).
 One JSON line per (run, variant, phase, seed) is appended to --log, with the exact commands, the
 wall time of training and its peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a
-recipe under its own name (used in the val phase only).
+recipe under its own name; a test-phase row under a variant name is a former recipe, or a
+candidate that the val phase chose and the test split did not confirm (SelfPatch's `pw0.5`).
 """
 import argparse
 import json
