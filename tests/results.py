@@ -62,7 +62,8 @@ RUNS = {
     "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --epochs 3 --warmup_epochs 1 --teacher_temp 0.02 "
                                   "--warmup_teacher_temp 0.02 --global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4"),
     # The one-epoch base: K = K_p = 1024 (one patch head output per token) and teacher temperature 0.01,
-    # not 4096 and the paper's 0.04: +6.5 on the validation split against +4.6 (seed 0; `tt0.04` ...)
+    # not 4096 and the paper's 0.04: +6.5 on the validation split against +4.6 (seed 0; variants `tt0.04`,
+    # `tt0.02`, `k1024_tt0.02`)
     "selfpatch_epochs1": ("selfpatch.py", SELFPATCH_EPOCHS1),
     # EsViT's one epoch gained 2.0 points on the validation split (GLSD's 5.5), two epochs 5.7: its
     # recipe runs twice as long, warm-up still half the run (later flags override earlier ones)
