@@ -1,10 +1,10 @@
-"""The README's Fashion-MNIST results: small-image CPU recipes of every method at the images' own
-scale (32 px crops of the 28 px images), over several seeds. Not collected by pytest.
+"""Fashion-MNIST results of docs/RESULTS.md: small-image CPU recipes of every method at the images'
+own scale (32 px crops of the 28 px images), over several seeds. Not collected by pytest.
 
     python tests/results.py --runs dino --phase val --seeds 0     # choose: train on 50k, k-NN on the other 10k
     python tests/results.py --runs dino --phase test --seeds 0 1  # report: train on 60k, k-NN on the test split
     python tests/results.py --runs pixels                         # the k-NN on raw pixels, for scale
-    python tests/results.py --table                               # the markdown tables of everything logged
+    python tests/results.py --table                               # refresh docs/RESULTS.md from the log
 
 Phases. `val` trains with `--holdout 10000` (the last 10000 train images are held out) and
 evaluates on those 10000 with the other 50000 as the k-NN bank: every recipe and variant was chosen
@@ -16,10 +16,16 @@ One JSON line per (run, variant, phase, seed) is appended to --log, with the exa
 wall time of training and its peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a
 recipe under its own name; a test-phase row under a variant name is a former recipe, or a
 candidate that the val phase chose and the test split did not confirm (SelfPatch's `pw0.5`).
-SelfPatch's variants were searched on a one-epoch base, `selfpatch_epochs1` (its former recipe); its
-recipe, three epochs, was first logged as that base's variant `epochs3_tt0.02_dinocrops`.
+SelfPatch's variants were searched on a one-epoch base, `selfpatch_epochs1`.
+
+`--table` rewrites the generated blocks of docs/RESULTS.md (between `<!-- results.py:NAME -->` and
+`<!-- /results.py -->`): the two tables, DRLoc's paired comparison and, for every row, the
+results.py command that reproduces it (the flags that differ from the recipe as it stands now are
+recovered from the logged training command by parsing both with the script's own parser). The
+prose around the blocks is written by hand.
 """
 import argparse
+import importlib
 import json
 import os
 import re
@@ -32,6 +38,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head sized
 # for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
@@ -59,8 +66,10 @@ RUNS = {
     # SelfPatch: three epochs at teacher temperature 0.02 with DINO's crop scales, on the one-epoch base
     # its variants were searched on (below): +6.4 and +6.8 on the validation split against the base's
     # +6.5 and +3.4; with its own smaller crops a second epoch undid the first (variants `epochs2_*`)
-    "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --epochs 3 --warmup_epochs 1 --teacher_temp 0.02 "
-                                  "--warmup_teacher_temp 0.02 --global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4"),
+    # (--saveckp_freq 1 keeps checkpoint0001.pth and checkpoint0002.pth: the per-epoch numbers)
+    "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --teacher_temp 0.02 --warmup_teacher_temp 0.02 --epochs 3 "
+                                  "--warmup_epochs 1 --global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
+                                  "--saveckp_freq 1"),
     # The one-epoch base: K = K_p = 1024 (one patch head output per token) and teacher temperature 0.01,
     # not 4096 and the paper's 0.04: +6.5 on the validation split against +4.6 (seed 0; variants `tt0.04`,
     # `tt0.02`, `k1024_tt0.02`)
@@ -186,6 +195,98 @@ def paired_difference(records, phase, run="drloc", baseline="drloc_base"):
             f"{verdict} two standard errors of the mean")
 
 
+# ------------------------------------------------------------------------------------------------
+# docs/RESULTS.md: generated blocks
+# ------------------------------------------------------------------------------------------------
+RUN_PLACE_FLAGS = {"--holdout", "--seed", "--output_dir"}   # set by train_and_evaluate, not by a recipe
+
+
+def logged_flags(record):
+    """The training flags of a logged run, without those that train_and_evaluate adds itself."""
+    words = record["train_command"].split()[2:]          # drop "python script.py"
+    flags, i = [], 0
+    while i < len(words):
+        if words[i] in RUN_PLACE_FLAGS:
+            i += 2
+            continue
+        flags.append(words[i])
+        i += 1
+    return flags
+
+
+def as_flag_value(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return " ".join(as_flag_value(v) for v in value)
+    return str(value)
+
+
+def extra_flags(record):
+    """The --extra that, added to the recipe as it stands in RUNS, trains what `record` trained:
+    every argument whose parsed value differs, in the parser's order."""
+    script, flags = RUNS[record["run"]]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    parser = importlib.import_module(script[:-3]).get_args_parser()
+    recipe, logged = vars(parser.parse_args(flags.split())), vars(parser.parse_args(logged_flags(record)))
+    extra = []
+    for action in parser._actions:
+        if action.option_strings and recipe.get(action.dest) != logged.get(action.dest):
+            if logged[action.dest] is None:
+                sys.exit(f"error: cannot express --{action.dest} None as a flag ({record['run']} {record['variant']})")
+            extra.append(f"{action.option_strings[0]} {as_flag_value(logged[action.dest])}")
+    return " ".join(extra)
+
+
+def reproducing_commands(records):
+    """One `python tests/results.py ...` line per (run, variant, phase, extra), seeds together, in the
+    order the log first holds them."""
+    groups = {}
+    for r in records:
+        extra = "" if r["run"] == "pixels" else extra_flags(r)
+        groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra), []).append(r["seed"])
+    lines = []
+    for (name, variant, phase, extra), seeds in groups.items():
+        line = f"python tests/results.py --runs {name} --phase {phase}"
+        if name != "pixels":
+            line += f" --seeds {' '.join(str(s) for s in sorted(seeds))}"
+        if variant != "recipe" or extra:
+            line += f" --variant {variant}"
+        if extra:
+            line += f' --extra "{extra}"'
+        lines.append(line)
+    return lines
+
+
+def generated_blocks(records):
+    """{block name: markdown} of docs/RESULTS.md."""
+    blocks = {}
+    for phase in ("test", "val"):
+        text = table(records, phase)
+        comparison = paired_difference(records, phase)
+        if comparison:
+            text += f"\n\nDRLoc: {comparison}."
+        blocks[phase] = text
+    blocks["commands"] = "```bash\n" + "\n".join(reproducing_commands(records)) + "\n```"
+    return blocks
+
+
+def refresh(markdown, blocks):
+    """`markdown` with the body of every `<!-- results.py:NAME -->` ... `<!-- /results.py -->` block
+    replaced by blocks[NAME]."""
+    def replace(match):
+        name = match.group(1)
+        if name not in blocks:
+            sys.exit(f"error: docs/RESULTS.md has a block {name!r} that results.py does not generate")
+        return f"<!-- results.py:{name} -->\n{blocks[name]}\n<!-- /results.py -->"
+    return re.sub(r"<!-- results\.py:(\w+) -->\n.*?<!-- /results\.py -->", replace, markdown, flags=re.S)
+
+
+def read_log(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def main():
     p = argparse.ArgumentParser("results.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
@@ -197,7 +298,8 @@ def main():
     p.add_argument("--work_dir", default="runs/results", help="output directories of the runs")
     p.add_argument("--log", default=str(ROOT / "tests" / "results_32px.jsonl"),
                    help="one JSON line per (run, variant, phase, seed) is appended here")
-    p.add_argument("--table", action="store_true", help="print the markdown tables of the log")
+    p.add_argument("--table", action="store_true",
+                   help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from --log")
     args = p.parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
@@ -210,12 +312,10 @@ def main():
                   f"{record.get('random_init_top1', float('nan')):.2f}%), {record['train_seconds'] / 60:.1f} min",
                   flush=True)
     if args.table:
-        records = [json.loads(line) for line in Path(args.log).read_text().splitlines() if line.strip()]
-        for phase in ("val", "test"):
-            print(f"\n{phase}:\n{table(records, phase)}")
-            comparison = paired_difference(records, phase)
-            if comparison:
-                print(comparison)
+        markdown = RESULTS_MD.read_text()
+        refreshed = refresh(markdown, generated_blocks(read_log(args.log)))
+        RESULTS_MD.write_text(refreshed)
+        print(f"{RESULTS_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
 
 
 if __name__ == "__main__":
