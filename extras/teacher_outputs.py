@@ -1,8 +1,8 @@
 """How a trained teacher's image head spreads images over its K outputs: the two collapses of DINO's
 "Avoiding collapse" study (Caron et al., ICCV 2021), measured on a split instead of a batch.
 
-    p_i   = softmax((g(x_i) - c) / tau_t)          the teacher's target for image i (centre c, the run's
-                                                   final teacher temperature tau_t)
+    p_i   = softmax((g(x_i) - c) / tau_t)          the teacher's target for image i (centre c, tau_t the
+                                                   teacher temperature of the run's last trained step)
     h     = 1/n sum_i H(p_i)                       per-image entropy: ln K when every target is uniform
     h_bar = H(1/n sum_i p_i)                       entropy of the mean target: 0 when one output wins
     used  = |{argmax_k p_i,k}|                     how many of the K outputs are some image's arg-max
@@ -38,8 +38,23 @@ def get_args_parser():
     p.add_argument("--max_images", default=2000, type=common.POSITIVE_INT,
                    help="the first N images of the evaluation split (the test split; with --holdout, the held-out "
                         "train images)")
+    p.add_argument("--teacher_temp", default=None, type=common.POSITIVE,
+                   help="measure at this temperature instead of the one the run reached at its last trained step")
     common.add_eval_data_args(p, batch_size=250)
     return p
+
+
+def reached_teacher_temperature(args, epoch, step):
+    """The teacher temperature of the last step a checkpoint trained (it holds `epoch` whole epochs
+    and `step` steps of the next), from the run's schedule (common.teacher_temperature_schedule).
+    Not the schedule's end point: a one-epoch run of a 30-epoch warm-up 0.04 -> 0.07 ends at 0.04.
+    A fractional warm-up ramps per step, which needs the run's steps per epoch that a checkpoint
+    does not record: None while such a warm-up was still under way."""
+    warmup, final, warmup_epochs = args["warmup_teacher_temp"], args["teacher_temp"], args["warmup_teacher_temp_epochs"]
+    last_epoch = max(epoch - 1 if step == 0 else epoch, 0)    # the epoch of the last trained step
+    if float(warmup_epochs).is_integer():                     # whole epochs ramp once per epoch
+        return float(common.teacher_temperature_schedule(warmup, final, warmup_epochs, last_epoch + 1)[last_epoch])
+    return final if epoch >= warmup_epochs else None
 
 
 def head_statistics(logits, center, temperature):
@@ -52,7 +67,8 @@ def head_statistics(logits, center, temperature):
 
 
 def load_teacher_head(ckpt):
-    """The teacher's image head (common.DINOHead), its centre and final temperature from a checkpoint."""
+    """The teacher's image head (common.DINOHead), its centre and the temperature of its last trained
+    step (None inside a fractional warm-up) from a checkpoint."""
     method, args = ckpt.get("method"), ckpt["args"]
     if method not in HEAD_KEYS:
         common.die(f"a {method} checkpoint has no self-distillation image head; use one of DINO, EsViT, GLSD, SelfPatch")
@@ -64,7 +80,9 @@ def load_teacher_head(ckpt):
     head = common.DINOHead(dim, args["out_dim"], use_bn=args["use_bn_in_head"], norm_last_layer=args["norm_last_layer"],
                            hidden_dim=args["head_hidden_dim"], bottleneck_dim=args["head_bottleneck_dim"])
     common.load_state_dict_strict(head, state, what=f"{method} teacher image head")
-    return head.eval(), ckpt[loss_key]["center"], args["teacher_temp"]
+    position = (ckpt["epoch"], ckpt["step"]) if "epoch" in ckpt and "step" in ckpt else None  # a training checkpoint's
+    temperature = reached_teacher_temperature(args, *position) if position else None
+    return head.eval(), ckpt[loss_key]["center"], temperature
 
 
 @torch.no_grad()
@@ -75,6 +93,12 @@ def main(args):
     if not (isinstance(ckpt, dict) and "method" in ckpt and "args" in ckpt):
         common.die(f"{args.pretrained_weights} is not a checkpoint.pth of this repository (no method and args)")
     head, center, temperature = load_teacher_head(ckpt)
+    if args.teacher_temp is not None:
+        temperature = args.teacher_temp
+    elif temperature is None:
+        common.die(f"the teacher temperature of {args.pretrained_weights}'s last step is unknown (no training position "
+                   f"recorded, or a fractional warm-up still under way: it depends on the run's steps per epoch): "
+                   f"pass --teacher_temp")
     backbone, _ = common.load_backbone(args.pretrained_weights, "teacher", crop=args.crop)
     dataset = common.build_dataset(args, train=False)
     transform = common.eval_transform(args.resize, args.crop)

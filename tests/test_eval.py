@@ -448,3 +448,22 @@ def test_teacher_outputs_refuses_a_supervised_checkpoint():
         teacher_outputs.load_teacher_head({"method": "drloc", "args": {}, "teacher": {}})
     with pytest.raises(SystemExit, match=r"lacks its teacher image head \(head.\*\) or its centre \(dino_loss\)"):
         teacher_outputs.load_teacher_head({"method": "dino", "args": {}, "teacher": {"backbone.x": torch.zeros(1)}})
+
+
+@pytest.mark.parametrize("warmup_epochs", [0, 1, 2, 3, 30])
+@pytest.mark.parametrize("epoch, step", [(1, 0), (2, 0), (2, 3), (3, 0), (3, 6), (4, 0)])
+def test_teacher_outputs_uses_the_temperature_of_the_last_trained_step(warmup_epochs, epoch, step):
+    """The temperature the run reached, read from the schedule the run trained with (7 steps an epoch,
+    4 epochs), not the schedule's end point."""
+    args = {"warmup_teacher_temp": 0.04, "teacher_temp": 0.07, "warmup_teacher_temp_epochs": warmup_epochs}
+    schedule = common.teacher_temperature_schedule(0.04, 0.07, warmup_epochs, 4, niter_per_ep=7)
+    expected = schedule[epoch * 7 + step - 1]
+    assert teacher_outputs.reached_teacher_temperature(args, epoch, step) == pytest.approx(expected)
+
+
+def test_teacher_outputs_temperature_of_a_short_run_and_of_a_fractional_warmup():
+    glsd_recipe = {"warmup_teacher_temp": 0.04, "teacher_temp": 0.07, "warmup_teacher_temp_epochs": 30}
+    assert teacher_outputs.reached_teacher_temperature(glsd_recipe, 1, 0) == pytest.approx(0.04)  # one epoch of 30
+    fractional = {**glsd_recipe, "warmup_teacher_temp_epochs": 0.5}
+    assert teacher_outputs.reached_teacher_temperature(fractional, 1, 0) == pytest.approx(0.07)   # warm-up over
+    assert teacher_outputs.reached_teacher_temperature(fractional, 0, 3) is None   # needs the steps per epoch
