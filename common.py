@@ -946,7 +946,11 @@ def choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability, pi
       CPU with AVX512-BF16 or AMX-BF16         bf16, but fp32 for the *_pico models (vit_pico steps
                                                were 1.3-1.7x slower in bf16 there: the CPU attention
                                                backward in bf16 is slow for short sequences)
-      any other CPU or device                  fp32 (bf16 would be emulated)"""
+      any other CPU or device                  fp32 (bf16 would be emulated)
+    The authors of DINO, EsViT, GLSD (EsViT's code) and SelfPatch train in fp16 with a grad scaler
+    (`--use_fp16`, on by default), DRLoc's in fp32: on a GPU without native bf16 `auto` is their
+    choice; elsewhere bf16 has fp16's speed without its overflows. On a CPU without native bf16,
+    torch emulates bf16 and a ViT-S/16 step is many times slower (docs/PERFORMANCE.md)."""
     if device_type == "cuda":
         if cuda_bf16:
             return "bf16", "this GPU computes in bf16 natively"

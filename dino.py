@@ -1,6 +1,9 @@
 """DINO: self-distillation with no labels (Caron et al., "Emerging Properties in Self-Supervised
 Vision Transformers", ICCV 2021).
 
+The loss is `DINOLoss`, the model `DINO`. Every other self-distillation file here starts from this
+one: `diff dino.py esvit.py` (glsd.py, selfpatch.py) shows what that method adds.
+
 Idea. A student network is trained to predict, from every crop of an image, the output
 distribution that a teacher network gives on the two large (global) crops of the same image. The
 teacher is not trained: it is an exponential moving average (EMA) of the student. Collapse is
@@ -26,10 +29,6 @@ Where the paper's text and the authors' code differ, this file follows the code:
 Other choices of this file: the loss is written as one [2, |V|] matrix of pairwise
 cross-entropies (an einsum) instead of a double Python loop; losses are computed in float32 under
 mixed precision.
-Precision: the authors train in fp16 with a grad scaler (`--use_fp16`, default true). Here the
-default `--precision auto` picks per device (`common.choose_precision`): fp16 so only on GPUs
-without native bf16, bf16 on newer GPUs and on CPUs with native bf16 (AVX512-BF16 / AMX), fp32 on
-other CPUs, where emulated bf16 makes a ViT-S/16 step about 25x slower.
 """
 import argparse
 import time

@@ -1,6 +1,10 @@
 """DRLoc: dense relative localization as an auxiliary loss of supervised training (Liu et al.,
 "Efficient Training of Visual Transformers with Small-Size Datasets", NeurIPS 2021).
 
+The loss is `DRLocLoss`, the model `DRLoc` (backbone + classifier + `LocalizationMLP`). DRLoc is not
+built on DINO: the file keeps the same layout (arguments, loss, model, train_one_epoch, main), but
+`diff dino.py drloc.py` shows a supervised loop rather than an addition.
+
 Idea. A vision transformer trained from scratch on a small labelled set lacks the locality bias
 of a CNN. DRLoc adds a pretext task to ordinary supervised training: from the final k x k grid of
 token embeddings of each image, sample m random pairs of tokens and ask a small MLP to predict,
@@ -48,7 +52,8 @@ Where this file departs from the authors' code:
     unpooled 14 x 14 grid;
   * the lr follows its cosine down to --min_lr over --epochs, where the authors' 100-epoch runs
     stop a 300-epoch schedule at epoch 100 (about 0.75 x the peak lr at the end);
-  * the authors train in fp16 (mixed precision); here the precision is --precision's choice.
+  * the authors train in fp32 (apex `--amp-opt-level O0`, their default); here the precision is
+    `--precision`'s choice (`--precision fp32` is theirs).
 Other choices of this file: the pairs are gathered with one tensor index, not a loop over images;
 the exhaustive partners come from an argsort of uniform noise (a random permutation per image);
 the pairs of a training step come from a generator seeded by (seed, epoch, step), not from each
@@ -59,10 +64,6 @@ the lr warms up from 5e-7 x batch / 512 and then follows `common.cosine_schedule
 remaining iterations (the Swin code's timm scheduler runs its cosine over all iterations, warmup
 included, and their loop updates the lr after each step, so their step s uses the schedule's value
 at s - 1: the warm-up start twice; tests/test_trajectories.py shows both facts); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
-Precision: the authors train in fp32 (apex `--amp-opt-level O0`, their default). Here the
-default `--precision auto` picks per device as for the other methods (`common.choose_precision`):
-bf16 on GPUs with native bf16 (fp16 with a grad scaler on older ones) and on CPUs with native bf16
-(AVX512-BF16 / AMX), fp32 on other CPUs; `--precision fp32` is the authors' setting.
 """
 import argparse
 import math

@@ -1,6 +1,9 @@
 """EsViT: efficient self-supervised vision transformers (Li et al., "Efficient Self-supervised
 Vision Transformers for Representation Learning", ICLR 2022; arXiv 2106.09785, 2021).
 
+The loss is `EsViTLoss` (view + region terms), the model `EsViT`; `diff dino.py esvit.py` shows what
+EsViT adds to DINO.
+
 Idea. DINO's self-distillation on a multi-stage backbone (Swin), plus a region-level task. The
 view-level task is DINO's: the student's distribution of every crop predicts the teacher's on the
 other global crop. A multi-stage network trained this way loses fine-grained correspondences
@@ -46,10 +49,6 @@ gathering the matched teacher distributions without materialising a [pairs, B, T
 losses are computed in float32 outside the autocast region (autocast would run their einsums in
 bf16 / fp16). With ViT backbones the patch tokens are the regions and the CLS token is the view
 feature.
-Precision: the authors train in fp16 with a grad scaler (`--use_fp16`, default true). Here the
-default `--precision auto` picks per device (`common.choose_precision`): fp16 so only on GPUs
-without native bf16, bf16 on newer GPUs and on CPUs with native bf16 (AVX512-BF16 / AMX), fp32 on
-other CPUs, where emulated bf16 makes a ViT-S/16 step about 25x slower.
 """
 import argparse
 import time

@@ -1,5 +1,8 @@
 """GLSD: global-local self-distillation (Lebailly & Tuytelaars, "Global-Local Self-Distillation for
-Visual Representation Learning", 2022).
+Visual Representation Learning", WACV 2023; arXiv 2207.14676, 2022).
+
+The loss is `GLSDLoss` (view + region terms, three matchings), the model `GLSD`; `diff esvit.py
+glsd.py` shows how its matching differs from EsViT's, `diff dino.py glsd.py` what it adds to DINO.
 
 Idea. EsViT's two-level self-distillation (a view loss on the global feature, a region loss on the
 tokens of the last feature map, teacher = EMA of the student) with another rule for pairing the
@@ -50,10 +53,6 @@ token) pair and then picks the matched one (no [pairs, B, T, K] gather); losses 
 float32 outside the autocast region (autocast would run their einsums in bf16 / fp16). Crop sizes
 must be multiples of the token stride (32 px for the papers' Swins, 8 px for swin_pico3, the patch
 size for ViT) so that the token grid tiles the crop exactly.
-Precision: the authors' code (EsViT's) trains in fp16 with a grad scaler (`--use_fp16`, on by
-default in EsViT). Here the default `--precision auto` picks per device (`common.choose_precision`):
-fp16 so only on GPUs without native bf16, bf16 on newer GPUs and on CPUs with native bf16
-(AVX512-BF16 / AMX), fp32 on other CPUs, where emulated bf16 makes a ViT-S/16 step about 25x slower.
 """
 import argparse
 import time

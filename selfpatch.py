@@ -1,6 +1,9 @@
 """SelfPatch: adjacent patches as positives, trained jointly with DINO (Yun et al., "Patch-level
 Representation Learning for Self-supervised Vision Transformers", CVPR 2022).
 
+The loss is `SelfPatchLoss` (image term + patch term), the model `SelfPatch` with its
+`AggregationModule`; `diff dino.py selfpatch.py` shows what SelfPatch adds to DINO.
+
 Idea. DINO learns one vector per image; SelfPatch adds a task for every patch token. Adjacent
 patches of an image often show the same object, so a patch should be predictable from those of
 its neighbours that look like it. For each patch i the teacher picks k positives among the 8
@@ -52,10 +55,6 @@ neighbour table is built for any grid, and a grid too small for k positives stop
 one temperature for both terms; the option is for small-image experiments, off by default).
 Key names follow the authors' code (backbone, ca_head, c_head, p_head), so their checkpoints load.
 Only ViT backbones (SelfPatch's backbone has no CLS token and no final norm).
-Precision: the authors train in fp16 with a grad scaler (`--use_fp16`, default true). Here the
-default `--precision auto` picks per device (`common.choose_precision`): fp16 so only on GPUs
-without native bf16, bf16 on newer GPUs and on CPUs with native bf16 (AVX512-BF16 / AMX), fp32 on
-other CPUs, where emulated bf16 makes a ViT-S/16 step about 25x slower.
 
 Recipes (supplementary A):
   ImageNet (the defaults): ViT-S/16, 200 epochs, batch 1024, 2 x 224 + 8 x 96 crops, K = 65536
