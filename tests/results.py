@@ -287,7 +287,7 @@ def read_log(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def main():
+def get_args_parser():
     p = argparse.ArgumentParser("results.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
     p.add_argument("--phase", default="test", choices=["val", "test"],
@@ -300,7 +300,11 @@ def main():
                    help="one JSON line per (run, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from --log")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
     for name in args.runs:

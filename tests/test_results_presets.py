@@ -41,3 +41,31 @@ def test_drloc_comparison_is_paired_by_seed():
     assert "(3 seeds: +1.00, +3.00, +0.00): +1.33 ± 1.53 points" in line and line.endswith("within two standard errors of the mean")
     assert "beyond" in results.paired_difference([{**r, "top1": r["top1"] + 5 * (r["run"] == "drloc")} for r in records], "test")
     assert results.paired_difference(records[:1] + records[4:5], "test") is None
+
+
+def test_results_md_is_what_table_generates_from_the_log():
+    """docs/RESULTS.md's tables and commands are `results.py --table`'s output for the committed log."""
+    committed = results.RESULTS_MD.read_text()
+    records = results.read_log(results.ROOT / "tests" / "results_32px.jsonl")
+    assert "<!-- results.py:test -->" in committed and "<!-- results.py:commands -->" in committed
+    assert results.refresh(committed, results.generated_blocks(records)) == committed, \
+        "docs/RESULTS.md is stale: run python tests/results.py --table"
+
+
+def test_each_listed_command_trains_what_its_logged_runs_trained():
+    """The recipe as it stands plus the command's --extra parses to the logged run's arguments."""
+    for record in results.read_log(results.ROOT / "tests" / "results_32px.jsonl"):
+        if record["run"] == "pixels":
+            continue
+        script, flags = results.RUNS[record["run"]]
+        parser = importlib.import_module(script[:-3]).get_args_parser()
+        rebuilt = parser.parse_args(flags.split() + results.extra_flags(record).split())
+        assert rebuilt == parser.parse_args(results.logged_flags(record)), (record["run"], record["variant"])
+
+
+def test_refresh_replaces_only_the_generated_blocks():
+    text = "intro\n<!-- results.py:val -->\nold\n<!-- /results.py -->\nmiddle\n<!-- results.py:test -->\n<!-- /results.py -->\n"
+    assert results.refresh(text, {"val": "V", "test": "T"}) == \
+        "intro\n<!-- results.py:val -->\nV\n<!-- /results.py -->\nmiddle\n<!-- results.py:test -->\nT\n<!-- /results.py -->\n"
+    with pytest.raises(SystemExit, match="block 'other'"):
+        results.refresh("<!-- results.py:other -->\n<!-- /results.py -->", {})
