@@ -934,7 +934,7 @@ def make_grad_scaler(device, precision):
 
 # bf16 pays only where the hardware computes in it. A CPU without AVX512-BF16 or AMX-BF16 gets
 # torch's emulation: on an AMD EPYC with AVX2 only, a 1024 x 1024 matmul took 94x as long as in
-# fp32 and a DINO ViT-S/16 step about 25x (README, "Precision").
+# fp32 and a DINO ViT-S/16 step about 25x (docs/PERFORMANCE.md, "Precision on CPUs").
 EMULATED_BF16_SLOWDOWN = "a ViT-S/16 step about 25x slower than in fp32 (measured on an AVX2-only AMD EPYC)"
 
 

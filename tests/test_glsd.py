@@ -342,7 +342,7 @@ def test_two_step_run_then_resume(tmp_path):
                                                       (["--local_matching", "none"], ["--use_region_loss", "false"])])
 def test_similarity_and_vanilla_train_exactly_like_esvit(tmp_path, glsd_flags, esvit_flags):
     """Two steps with drop path from the same seed: glsd.py's Similarity setting trains bit-identically
-    to esvit.py, Vanilla to esvit.py without the region loss (the README's results table uses this)."""
+    to esvit.py, Vanilla to esvit.py without the region loss."""
     flags = ["--epochs", "1", "--drop_path_rate", "0.1", "--seed", "3", "--saveckp_freq", "0"]
     runs = {"glsd": run_glsd(*flags, *glsd_flags, "--output_dir", str(tmp_path / "glsd")),
             "esvit": subprocess.run([sys.executable, "esvit.py", *TINY, *flags, *esvit_flags, "--output_dir",

@@ -1,4 +1,4 @@
-"""tests/results.py (the README's Fashion-MNIST tables) is not run by CI: its recipes take CPU-hours.
+"""tests/results.py (docs/RESULTS.md's Fashion-MNIST tables) is not run by CI: its recipes take CPU-hours.
 Check here that every recipe still parses with its script's own arguments, and the table."""
 import importlib
 import sys
