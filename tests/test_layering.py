@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"dino", "esvit", "glsd", "selfpatch", "drloc"}
 EVALUATION = {"eval_knn", "eval_linear"}
 CARD = {"README.md", "requirements.txt", "common.py", *(f"{m}.py" for m in METHODS | EVALUATION), "tests"}
-ALSO_ALLOWED = {"docs", "extras"}  # the README's pictures, the extras folder (and dot-files: .pytest.ini, .ci/)
+ALSO_ALLOWED = {"docs", "extras"}  # docs/ (results, notes, pictures), the extras folder (and dot-files: .pytest.ini, .ci/)
 
 
 def imported_modules(path):
