@@ -233,6 +233,13 @@ def resolution_groups(crops):
     return groups
 
 
+def other_crop_pairs(ncrops):
+    """Flat indices into a [2, ncrops] matrix (teacher global crop t, student crop s) of the pairs
+    with s != t, in row-major order: what the mask ~eye(2, ncrops) selects. Indexing with them
+    leaves the result's size known, where a boolean mask makes the host wait for the GPU."""
+    return torch.tensor([t * ncrops + s for t in range(2) for s in range(ncrops) if s != t])
+
+
 def forward_multicrop(fn, crops):
     """Apply `fn` once per run of equal-resolution crops, to their concatenation (crop-major rows:
     [crop s batch, crop s+1 batch, ...]), as DINO's MultiCropWrapper does. One output per run."""
@@ -517,11 +524,15 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
         raise BadImageError(f"no readable image in {self.root}")
 
 
-def skipped_images(dataset):
-    """How many unreadable files the (possibly wrapped) dataset has skipped so far."""
+def skipped_images(dataset, device=None):
+    """How many unreadable files the (possibly wrapped) dataset has skipped so far: in this process,
+    or, given the `device` of the process group's collectives, in all processes."""
     while hasattr(dataset, "base") or hasattr(dataset, "dataset"):   # SeededDataset, Subset
         dataset = getattr(dataset, "base", None) or dataset.dataset
-    return dataset.skipped.value if hasattr(dataset, "skipped") else 0
+    count = dataset.skipped.value if hasattr(dataset, "skipped") else 0
+    if device is None:
+        return count
+    return int(all_reduce_sum(torch.tensor([count], device=device)).item())
 
 
 def read_idx(path):
@@ -784,6 +795,13 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self):
         return max(super().__len__() - self.start_batch * self.batch_size, 0)
+
+    def distinct_samples(self):
+        """How many of this process's samples of an epoch (from the first batch) are not padding.
+        Without drop_last, DistributedSampler repeats indices from the start of its list until every
+        process has as many; the repeats come last, at list positions >= len(dataset), and process r
+        takes positions r, r + n, r + 2n, ... An evaluation counts only the first this-many rows."""
+        return min(self.num_samples, len(range(self.rank, len(self.dataset), self.num_replicas)))
 
 
 def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
