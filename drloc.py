@@ -474,8 +474,8 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
 
 @torch.no_grad()
 def validate(model, loader, device, args):
-    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes; every image counts
-    once (the padding with which the sampler evens out the processes is left out)."""
+    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how many images
+    they count: each once (the padding with which the sampler evens out the processes is left out)."""
     model.eval()
     counts = torch.zeros(3, device=device)              # correct@1, correct@5, images
     distinct = loader.sampler.distinct_samples()        # this process's rows that are not padding
@@ -487,7 +487,8 @@ def validate(model, loader, device, args):
         distinct -= len(labels)
         counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), torch.tensor(len(top), device=device)])
     counts = common.all_reduce_sum(counts)
-    return {"val_acc1": 100 * counts[0].item() / counts[2].item(), "val_acc5": 100 * counts[1].item() / counts[2].item()}
+    return {"val_acc1": 100 * counts[0].item() / counts[2].item(), "val_acc5": 100 * counts[1].item() / counts[2].item(),
+            "val_images": int(counts[2].item())}
 
 
 # ================================================================================================
