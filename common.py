@@ -272,11 +272,11 @@ class DINOHead(nn.Module):
     DINO reports this stabilises training (their default for ViT-S).
 
     Under bf16 autocast the head computes in float32 (TF32 matmuls on CUDA, `use_authors_cuda_settings`).
-    The authors' fp16 rounds the logits to 11 significant bits before the teacher temperature
-    (0.04) multiplies every error by 25; bf16 keeps 8, and the teacher's logits would move about
-    eight times as far (measured on a 65,536-way head: up to 0.06 against fp16's 0.008 after the
-    division, tests/head_precision.py and docs/FIRST_GPU_RUN.md). Under fp16 (the authors') and
-    in float32 nothing changes."""
+    The authors' fp16 keeps 11 significant bits, bf16 8, and the teacher temperature (0.04)
+    multiplies every error of a logit by 25: a 65,536-way head in bf16 moved the teacher's logits
+    by up to 0.06 after the division, fp16 by 0.008, and a float32 last layer alone removed little
+    of it, most coming from the MLP (tests/head_precision.py, docs/FIRST_GPU_RUN.md). Under fp16
+    (the authors') and in float32 nothing changes."""
 
     def __init__(self, in_dim, out_dim, use_bn=False, norm_last_layer=True, nlayers=3,
                  hidden_dim=2048, bottleneck_dim=256):
@@ -726,8 +726,8 @@ def use_authors_cuda_settings():
     """cuDNN autotuning (the authors set `cudnn.benchmark = True`; the crop sizes are fixed, so it
     tunes once) and TF32 for float32 matmuls and convolutions on Ampere and newer GPUs: the
     default of the torch the authors used (1.7-1.8), which later versions turned off for matmuls.
-    So `--precision fp32` computes as the authors' fp32 did, and so does the DINO head's last
-    layer, which runs in float32 under bf16 (`DINOHead`). No effect on CPUs."""
+    So `--precision fp32` computes as the authors' fp32 did, and so does the DINO head, which runs
+    in float32 under bf16 (`DINOHead`). No effect on CPUs."""
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -1423,7 +1423,8 @@ def add_run_args(parser, saveckp_freq=20):
                         "DINO's authors train); on CPUs bf16 only with native bf16 (AVX512-BF16 or AMX-BF16) and not "
                         "for the *_pico models, else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an "
                         "AVX2-only CPU); the choice and its reason are logged. fp16 uses a grad scaler (on CPU "
-                        "only for testing: slow)")
+                        "only for testing: slow). On CUDA, fp32 matmuls and convolutions use TF32, as in the "
+                        "authors' torch, and under bf16 the DINO heads compute in fp32")
     g.add_argument("--save_every_iters", default=0, type=COUNT,
                    help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
                         "resumes at the next unseen batch")
