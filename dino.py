@@ -30,6 +30,8 @@ Precision: the authors train in fp16 with a grad scaler (`--use_fp16`, default t
 default `--precision auto` picks per device (`common.choose_precision`): fp16 so only on GPUs
 without native bf16, bf16 on newer GPUs and on CPUs with native bf16 (AVX512-BF16 / AMX), fp32 on
 other CPUs, where emulated bf16 makes a ViT-S/16 step about 25x slower.
+Under bf16 the heads compute in float32 (`common.DINOHead`): the teacher temperature would magnify
+bf16's rounding of the logits.
 """
 import argparse
 import time
