@@ -18,6 +18,7 @@ import argparse
 import atexit
 import contextlib
 import gzip
+import inspect
 import itertools
 import json
 import math
@@ -232,6 +233,13 @@ def resolution_groups(crops):
     return groups
 
 
+def other_crop_pairs(ncrops):
+    """Flat indices into a [2, ncrops] matrix (teacher global crop t, student crop s) of the pairs
+    with s != t, in row-major order: what the mask ~eye(2, ncrops) selects. Indexing with them
+    leaves the result's size known, where a boolean mask makes the host wait for the GPU."""
+    return torch.tensor([t * ncrops + s for t in range(2) for s in range(ncrops) if s != t])
+
+
 def forward_multicrop(fn, crops):
     """Apply `fn` once per run of equal-resolution crops, to their concatenation (crop-major rows:
     [crop s batch, crop s+1 batch, ...]), as DINO's MultiCropWrapper does. One output per run."""
@@ -261,7 +269,14 @@ class DINOHead(nn.Module):
     """MLP (nlayers Linear, GELU between) -> l2-normalise -> weight-normalised Linear(bottleneck, K).
 
     With `norm_last_layer` the gain g is frozen at 1, so the last layer is a cosine classifier;
-    DINO reports this stabilises training (their default for ViT-S)."""
+    DINO reports this stabilises training (their default for ViT-S).
+
+    Under bf16 autocast the head computes in float32 (TF32 matmuls on CUDA, `use_authors_cuda_settings`).
+    The authors' fp16 keeps 11 significant bits, bf16 8, and the teacher temperature (0.04)
+    multiplies every error of a logit by 25: a 65,536-way head in bf16 moved the teacher's logits
+    by up to 0.06 after the division, fp16 by 0.008, and a float32 last layer alone removed little
+    of it, most coming from the MLP (tests/head_precision.py, docs/FIRST_GPU_RUN.md). Under fp16
+    (the authors') and in float32 nothing changes."""
 
     def __init__(self, in_dim, out_dim, use_bn=False, norm_last_layer=True, nlayers=3,
                  hidden_dim=2048, bottleneck_dim=256):
@@ -289,6 +304,13 @@ class DINOHead(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, x):
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+            with torch.autocast(device, enabled=False):
+                return self.project(x.float())
+        return self.project(x)
+
+    def project(self, x):
         return self.last_layer(F.normalize(self.mlp(x), dim=-1, p=2))
 
 
@@ -502,11 +524,15 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
         raise BadImageError(f"no readable image in {self.root}")
 
 
-def skipped_images(dataset):
-    """How many unreadable files the (possibly wrapped) dataset has skipped so far."""
+def skipped_images(dataset, device=None):
+    """How many unreadable files the (possibly wrapped) dataset has skipped so far: in this process,
+    or, given the `device` of the process group's collectives, in all processes."""
     while hasattr(dataset, "base") or hasattr(dataset, "dataset"):   # SeededDataset, Subset
         dataset = getattr(dataset, "base", None) or dataset.dataset
-    return dataset.skipped.value if hasattr(dataset, "skipped") else 0
+    count = dataset.skipped.value if hasattr(dataset, "skipped") else 0
+    if device is None:
+        return count
+    return int(all_reduce_sum(torch.tensor([count], device=device)).item())
 
 
 def read_idx(path):
@@ -676,6 +702,10 @@ def init_distributed(device="auto"):
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); one process when
     absent. Backend: nccl on GPU, gloo on CPU. Returns the torch.device this process uses."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1 and re.fullmatch(r"cuda:\d+", device):
+        die(f"--device {device} would put all {world_size} processes of this torchrun job on one GPU; "
+            f"use --device cuda (or auto): each process takes the GPU of its LOCAL_RANK")
     if device == "auto":
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     elif device == "cuda":
@@ -685,10 +715,22 @@ def init_distributed(device="auto"):
         if not torch.cuda.is_available():
             die("--device cuda requested but no GPU is visible")
         torch.cuda.set_device(device)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        use_authors_cuda_settings()
+    if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     return device
+
+
+def use_authors_cuda_settings():
+    """cuDNN autotuning (the authors set `cudnn.benchmark = True`; the crop sizes are fixed, so it
+    tunes once) and TF32 for float32 matmuls and convolutions on Ampere and newer GPUs: the
+    default of the torch the authors used (1.7-1.8), which later versions turned off for matmuls.
+    So `--precision fp32` computes as the authors' fp32 did, and so does the DINO head, which runs
+    in float32 under bf16 (`DINOHead`). No effect on CPUs."""
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def is_dist():
@@ -753,6 +795,13 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self):
         return max(super().__len__() - self.start_batch * self.batch_size, 0)
+
+    def distinct_samples(self):
+        """How many of this process's samples of an epoch (from the first batch) are not padding.
+        Without drop_last, DistributedSampler repeats indices from the start of its list until every
+        process has as many; the repeats come last, at list positions >= len(dataset), and process r
+        takes positions r, r + n, r + 2n, ... An evaluation counts only the first this-many rows."""
+        return min(self.num_samples, len(range(self.rank, len(self.dataset), self.num_replicas)))
 
 
 def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
@@ -889,15 +938,18 @@ def get_params_groups(model, no_decay_names=()):
 
 def clip_gradients(model, clip):
     """Per-parameter clipping, as the authors' code: every gradient tensor is rescaled separately
-    to norm <= clip (not a global-norm clip). Returns the norms before clipping."""
-    norms = []
-    for p in model.parameters():
-        if p.grad is not None:
-            norm = p.grad.detach().norm(2)
-            norms.append(norm.item())
-            factor = clip / (norm + 1e-6)
-            if factor < 1:
-                p.grad.detach().mul_(factor)
+    to norm <= clip (not a global-norm clip). Returns the norms before clipping, a tensor (one per
+    gradient, in parameter order).
+
+    Without a host sync: the norms stay on the device, and every gradient is multiplied by its
+    factor clip / (norm + 1e-6) where that is below 1, else by 1 (which leaves it bit for bit as it
+    was, NaN norms included), instead of testing each factor in Python."""
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(0)
+    norms = torch.stack(torch._foreach_norm(grads, 2))
+    factors = (norms + 1e-6).reciprocal() * clip      # what `clip / (norm + 1e-6)` computes
+    torch._foreach_mul_(grads, torch.where(factors < 1, factors, 1.0).unbind())
     return norms
 
 
@@ -914,10 +966,12 @@ def cancel_gradients_last_layer(epoch, model, freeze_last_layer):
 
 @torch.no_grad()
 def update_teacher(student, teacher, momentum):
-    """EMA over parameters: teacher = m * teacher + (1 - m) * student."""
+    """EMA over parameters: teacher = m * teacher + (1 - m) * student, as one multi-tensor
+    operation per step (not one kernel pair per parameter)."""
     s_params = dict(unwrap(student).named_parameters())
-    for name, t in unwrap(teacher).named_parameters():
-        t.mul_(momentum).add_(s_params[name].detach(), alpha=1 - momentum)
+    t_names, t_params = zip(*unwrap(teacher).named_parameters())
+    torch._foreach_mul_(t_params, momentum)
+    torch._foreach_add_(t_params, [s_params[name].detach() for name in t_names], alpha=1 - momentum)
 
 
 def autocast(device, precision):
@@ -950,7 +1004,9 @@ def choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability, pi
     The authors of DINO, EsViT, GLSD (EsViT's code) and SelfPatch train in fp16 with a grad scaler
     (`--use_fp16`, on by default), DRLoc's in fp32: on a GPU without native bf16 `auto` is their
     choice; elsewhere bf16 has fp16's speed without its overflows. On a CPU without native bf16,
-    torch emulates bf16 and a ViT-S/16 step is many times slower (docs/PERFORMANCE.md)."""
+    torch emulates bf16 and a ViT-S/16 step is many times slower (docs/PERFORMANCE.md).
+    Under bf16 the DINO heads compute in float32 (`DINOHead`): the teacher temperature would
+    magnify bf16's rounding of the logits. The losses are float32 under every precision."""
     if device_type == "cuda":
         if cuda_bf16:
             return "bf16", "this GPU computes in bf16 natively"
@@ -979,10 +1035,20 @@ def cpu_has_native_bf16():
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cuda_has_native_bf16(device):
+    """Whether the GPU computes in bf16 natively (Ampere or newer), not only by emulation. Asked as
+    `torch.cuda.is_bf16_supported(including_emulation=False)`; a torch whose function has no such
+    argument (it is not in every version requirements.txt allows) is answered from the compute
+    capability (8.0 = Ampere)."""
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def precision_facts(device):
     """What `choose_precision` needs to know about `device`, as torch reports it."""
     return dict(device_type=device.type,
-                cuda_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False),
+                cuda_bf16=device.type == "cuda" and cuda_has_native_bf16(device),
                 cpu_native_bf16=cpu_has_native_bf16(), cpu_capability=torch.backends.cpu.get_cpu_capability())
 
 
@@ -1029,19 +1095,27 @@ def stop_if_not_finite(loss, epoch, args, debug_state):
 # 7. Checkpoints
 # ================================================================================================
 def rng_state():
-    """This process's RNG states, as types `torch.load(weights_only=True)` accepts."""
+    """This process's RNG states, as types `torch.load(weights_only=True)` accepts. Of the CUDA
+    generators only the one of this process's own GPU (every process sees all the node's GPUs, but
+    draws on its own; a resume may see fewer)."""
     np_state = np.random.get_state()
     py_state = random.getstate()
     return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_available() else [],
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
             "python": [py_state[0], list(py_state[1]), py_state[2]]}
 
 
 def set_rng_state(state):
+    """Restore what `rng_state` saved. The CUDA state goes to this process's GPU; a checkpoint that
+    holds a list (one state per visible GPU) gives the entry of this process's GPU when it has one."""
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if isinstance(cuda, (list, tuple)):
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None and len(cuda) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
@@ -1184,14 +1258,32 @@ def process_alive(pid):
 
 
 def restore(checkpoint, **objects):
-    """Load every named object (module, optimizer, scaler, loss) from `checkpoint`; modules strictly."""
+    """Load every named object (module, optimizer, scaler, loss) from `checkpoint`; modules strictly.
+    A grad scaler follows the precision of this run, which `--precision auto` may choose otherwise
+    than the checkpoint's run did (on another GPU): see `restore_grad_scaler`."""
     for name, obj in objects.items():
         if name not in checkpoint:
             die(f"checkpoint has no {name!r} entry (written by another script?)")
         if isinstance(obj, nn.Module):
             load_state_dict_strict(unwrap(obj), checkpoint[name], what=name)
+        elif isinstance(obj, torch.amp.GradScaler):
+            restore_grad_scaler(obj, checkpoint[name], checkpoint.get("args", {}).get("precision", "?"))
         else:
             obj.load_state_dict(checkpoint[name])
+
+
+def restore_grad_scaler(scaler, state, trained_precision):
+    """A run trained in bf16 or fp32 saved no scaler state ({}): resumed in fp16, the scaler starts
+    at its initial scale (torch refuses to load the empty state). A run trained in fp16 and resumed
+    in bf16 or fp32 needs no scaler: its scale is dropped. Either change is logged in one line."""
+    if scaler.is_enabled() and not state:
+        log(f"precision: the checkpoint was trained in {trained_precision} without a grad scaler; this run "
+            f"trains in fp16, whose grad scaler starts at scale {scaler.get_scale():g}")
+    elif state and not scaler.is_enabled():
+        log(f"precision: the checkpoint was trained in {trained_precision} with a grad scaler (scale "
+            f"{state.get('scale', float('nan')):g}); this run needs none and drops it")
+    else:
+        scaler.load_state_dict(state)
 
 
 # ================================================================================================
@@ -1329,13 +1421,16 @@ def add_run_args(parser, saveckp_freq=20):
                    help="resume although arguments that change what is trained differ from the checkpoint's")
     g.add_argument("--saveckp_freq", default=saveckp_freq, type=COUNT, help="keep a copy every N epochs")
     g.add_argument("--seed", default=0, type=COUNT, help="seeds weights, data order and augmentations")
-    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA when present), cpu, cuda, or cuda:N (one process only: under torchrun each "
+                        "process takes the GPU of its LOCAL_RANK)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                    help="autocast dtype. auto: bf16 on GPUs with native bf16, else fp16 with a grad scaler (as "
                         "DINO's authors train); on CPUs bf16 only with native bf16 (AVX512-BF16 or AMX-BF16) and not "
                         "for the *_pico models, else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an "
                         "AVX2-only CPU); the choice and its reason are logged. fp16 uses a grad scaler (on CPU "
-                        "only for testing: slow)")
+                        "only for testing: slow). On CUDA, fp32 matmuls and convolutions use TF32, as in the "
+                        "authors' torch, and under bf16 the DINO heads compute in fp32")
     g.add_argument("--save_every_iters", default=0, type=COUNT,
                    help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
                         "resumes at the next unseen batch")
@@ -1376,7 +1471,9 @@ def add_eval_data_args(parser, batch_size=128):
 
 def add_eval_run_args(parser):
     g = parser.add_argument_group("run")
-    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA when present), cpu, cuda, or cuda:N (one process only: under torchrun each "
+                        "process takes the GPU of its LOCAL_RANK)")
     g.add_argument("--seed", default=0, type=COUNT, help="seeds --random_init (and eval_linear's data order)")
     return g
 

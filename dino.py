@@ -99,6 +99,7 @@ class DINOLoss(nn.Module):
         super().__init__()
         self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
         self.register_buffer("center", torch.zeros(1, out_dim))
+        self.register_buffer("other_pairs", common.other_crop_pairs(ncrops), persistent=False)
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
             warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs, niter_per_ep)
 
@@ -111,8 +112,7 @@ class DINOLoss(nn.Module):
         q = F.softmax((teacher_output - self.center) / temp, dim=-1).detach().unflatten(0, (2, -1))
         batch = q.shape[1]
         ce = -torch.einsum("tbk,sbk->ts", q, log_p) / batch      # [2, ncrops]: teacher crop t, student crop s
-        is_other_crop = ~torch.eye(2, self.ncrops, dtype=torch.bool, device=ce.device)
-        loss = ce[is_other_crop].mean()
+        loss = ce.flatten()[self.other_pairs].mean()             # the pairs of different crops
         self.update_center(teacher_output)
         teacher_entropy = -(q * q.clamp_min(1e-12).log()).sum(-1).mean()
         return {"loss": loss, "teacher_entropy": teacher_entropy.detach(), "center_norm": self.center.norm()}
@@ -187,6 +187,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         common.update_teacher(student, teacher, momentum)
 
         stats = {k: v.item() for k, v in losses.items()}
+        del teacher_output, student_output, losses, loss   # not held through the next step's forward
         stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
@@ -268,7 +269,7 @@ def main(args):
                                  args, device)
         start_step = 0
         save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args)
-        record["skipped_images"] = common.skipped_images(dataset)
+        record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
         if monitor is not None:  # local-feature correspondence on fixed test images
             record.update(monitor(teacher.backbone))
         common.append_log(args.output_dir, record)

@@ -195,7 +195,8 @@ class DRLocLoss(nn.Module):
         loss_drloc = logits.new_zeros(())
         for head in outputs["drloc"]:
             target = relative_targets(head["pos_a"], head["pos_b"], head["k"], self.signed, self.normalize)
-            loss_drloc = loss_drloc + self.localization_loss(head["pred"].float(), target.to(logits.device))
+            target = target.to(logits.device, non_blocking=True)
+            loss_drloc = loss_drloc + self.localization_loss(head["pred"].float(), target)
         return {"loss": loss_ce + lambda_drloc * loss_drloc, "L_ce": loss_ce, "L_drloc": loss_drloc}
 
     def localization_loss(self, pred, target):
@@ -243,7 +244,7 @@ def swin_init(module):
 def gather_pairs(grid, pos_a, pos_b):
     """cat(e_a, e_b) [B, m, 2D] for the (row, col) positions pos_a, pos_b [B, m, 2] of grid [B, h, w, D]."""
     b = torch.arange(len(grid), device=grid.device)[:, None]
-    pos_a, pos_b = pos_a.to(grid.device), pos_b.to(grid.device)
+    pos_a, pos_b = pos_a.to(grid.device, non_blocking=True), pos_b.to(grid.device, non_blocking=True)
     return torch.cat([grid[b, pos_a[..., 0], pos_a[..., 1]], grid[b, pos_b[..., 0], pos_b[..., 1]]], dim=-1)
 
 
@@ -453,6 +454,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
 
         stats = {k: v.item() for k, v in losses.items()}
         stats.update(lr=lr, grad_norm=grad_norm.item(), lambda_drloc=lambda_drloc)
+        del outputs, losses, loss, grad_norm               # not held through the next step's forward
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
         images_seen += len(images) * common.get_world_size()
@@ -473,17 +475,21 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
 
 @torch.no_grad()
 def validate(model, loader, device, args):
-    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes."""
+    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how many images
+    they count: each once (the padding with which the sampler evens out the processes is left out)."""
     model.eval()
     counts = torch.zeros(3, device=device)              # correct@1, correct@5, images
+    distinct = loader.sampler.distinct_samples()        # this process's rows that are not padding
     for images, labels in common.progress(loader, desc="validation"):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with common.autocast(device, args.precision):
             logits = model(images)["logits"]
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
-        counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
+        top = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None])[:max(distinct, 0)]
+        distinct -= len(labels)
+        counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), torch.tensor(len(top), device=device)])
     counts = common.all_reduce_sum(counts)
-    return {"val_acc1": 100 * counts[0].item() / counts[2].item(), "val_acc5": 100 * counts[1].item() / counts[2].item()}
+    return {"val_acc1": 100 * counts[0].item() / counts[2].item(), "val_acc5": 100 * counts[1].item() / counts[2].item(),
+            "val_images": int(counts[2].item())}
 
 
 # ================================================================================================
@@ -554,7 +560,7 @@ def main(args):
         start_step = 0
         record.update(validate(model, val_loader, device, args))
         save_all(model, optimizer, scaler, criterion, epoch + 1, 0, args)
-        record["skipped_images"] = common.skipped_images(dataset)
+        record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if common.preemption_requested(device):

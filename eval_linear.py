@@ -283,7 +283,7 @@ def main(args):
         if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
             record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
             best_top1 = max(best_top1, record["val_top1"])
-        record.update(epoch=epoch, best_top1=best_top1, skipped_images=common.skipped_images(train_data))
+        record.update(epoch=epoch, best_top1=best_top1, skipped_images=common.skipped_images(train_data, device))
         if common.is_main_process():
             common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(), "optimizer": optimizer.state_dict(),
                                     "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args), "backbone": {**info, **identity}},

@@ -149,6 +149,7 @@ class GLSDLoss(nn.Module):
         self.local_matching, self.match_threshold = local_matching, match_threshold
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.register_buffer("center_grid", torch.zeros(1, out_dim))
+        self.register_buffer("other_pairs", common.other_crop_pairs(ncrops), persistent=False)
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
             warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs, niter_per_ep)
 
@@ -161,21 +162,24 @@ class GLSDLoss(nn.Module):
         q = F.softmax((teacher.view.float() - self.center) / temp, dim=-1).detach().unflatten(0, (2, -1))
         batch = q.shape[1]
         view_ce = -torch.einsum("tbk,sbk->ts", q, log_p) / batch  # [2, ncrops]: teacher crop t, student crop s
-        is_other_crop = ~torch.eye(2, self.ncrops, dtype=torch.bool, device=view_ce.device)
-        out = {"view_loss": view_ce[is_other_crop].mean()}
+        out = {"view_loss": self.other_crops_mean(view_ce)}
         if self.local_matching != "none":
             region_ce, distinct, kept = self.region_cross_entropy(student, teacher, temp, geometry)
-            out["region_loss"] = region_ce[is_other_crop].mean()
+            out["region_loss"] = self.other_crops_mean(region_ce)
             out["loss"] = 0.5 * out["view_loss"] + 0.5 * out["region_loss"]
-            out["matched_teacher_tokens"] = distinct[is_other_crop].mean()
+            out["matched_teacher_tokens"] = self.other_crops_mean(distinct)
             if self.local_matching == "geometric":
-                out["kept_fraction"] = kept[is_other_crop].mean()
+                out["kept_fraction"] = self.other_crops_mean(kept)
         else:
             out["loss"] = out["view_loss"]
         self.update_centers(teacher)
         out.update(teacher_entropy=-(q * q.clamp_min(1e-12).log()).sum(-1).mean(),
                    center_norm=self.center.norm(), center_grid_norm=self.center_grid.norm())
         return {k: v if k == "loss" else v.detach() for k, v in out.items()}
+
+    def other_crops_mean(self, matrix):
+        """Mean of a [2, ncrops] (teacher crop t, student crop s) matrix over the pairs s != t."""
+        return matrix.flatten()[self.other_pairs].mean()
 
     def region_cross_entropy(self, student, teacher, temp, geometry):
         """[2, ncrops] region cross-entropies (mean over *all* the student's tokens, rejected matches
@@ -184,7 +188,9 @@ class GLSDLoss(nn.Module):
         (t_region,), (t_tokens,), (t_grid,) = teacher.region, teacher.tokens, teacher.grids
         batch = len(teacher.view) // 2
         q = F.softmax((t_region.float() - self.center_grid) / temp, dim=-1).detach()
-        q, t_tokens = q.unflatten(0, (2, batch)), t_tokens.float().unflatten(0, (2, batch))  # [2, B, T_t, .]
+        # [B, 2, T_t, K], laid out once as every group's einsum reads it (it would copy q per group)
+        q = q.unflatten(0, (2, batch)).transpose(0, 1).contiguous()
+        t_tokens = t_tokens.float().unflatten(0, (2, batch))                                  # [2, B, T_t, D]
         if self.local_matching == "geometric":
             if geometry is None:
                 raise ValueError("geometric matching needs the crops' geometry (one dict per crop)")
@@ -199,7 +205,7 @@ class GLSDLoss(nn.Module):
             else:
                 match, within = self.match_geometric(token_geometry(geometry[start:start + n], grid, batch), t_geometry)
             start += n
-            ce_all = -torch.einsum("ibtk,vbsk->ivbst", q, log_p)   # every student token vs every teacher token
+            ce_all = -torch.einsum("bitk,vbsk->ivbst", q, log_p)   # every student token vs every teacher token
             ce_matched = ce_all.gather(-1, match[..., None]).squeeze(-1)
             if self.match_threshold:
                 ce_matched = ce_matched * within            # a rejected match counts 0, and still counts in the mean
@@ -238,7 +244,7 @@ class GLSDLoss(nn.Module):
         if self.local_matching != "none":
             outputs.append((self.center_grid, teacher.region[0].flatten(0, 1)))
         for center, output in outputs:
-            batch_center = common.all_reduce_sum(output.float().sum(dim=0, keepdim=True))
+            batch_center = common.all_reduce_sum(output.sum(dim=0, keepdim=True, dtype=torch.float32))
             batch_center = batch_center / (len(output) * common.get_world_size())
             center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
 
@@ -326,6 +332,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         common.update_teacher(student, teacher, momentum)
 
         stats = {k: v.item() for k, v in losses.items()}
+        del teacher_output, student_output, losses, loss   # not held through the next step's forward
         stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
@@ -408,7 +415,7 @@ def main(args):
                                  args, device)
         start_step = 0
         save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args)
-        record["skipped_images"] = common.skipped_images(dataset)
+        record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
         if monitor is not None:  # local-feature correspondence on fixed test images
             record.update(monitor(teacher.backbone))
         common.append_log(args.output_dir, record)

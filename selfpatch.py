@@ -160,6 +160,7 @@ class SelfPatchLoss(nn.Module):
         self.center_crops = center_crops
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.register_buffer("patch_center", torch.zeros(1, patch_out_dim))
+        self.register_buffer("other_pairs", common.other_crop_pairs(ncrops), persistent=False)
         self.teacher_temp_schedule = common.teacher_temperature_schedule(
             warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs, niter_per_ep)
         self.patch_teacher_temp = patch_teacher_temp            # None: the image term's schedule
@@ -176,8 +177,7 @@ class SelfPatchLoss(nn.Module):
         q = F.softmax((teacher_image.unflatten(0, (self.ncrops, -1))[:2] - self.center) / temp, dim=-1).detach()
         batch = q.shape[1]
         ce = -torch.einsum("tbk,sbk->ts", q, log_p) / batch      # [2, ncrops]: teacher crop t, student crop s
-        is_other_crop = ~torch.eye(2, self.ncrops, dtype=torch.bool, device=ce.device)
-        cls_loss = ce[is_other_crop].mean()
+        cls_loss = ce.flatten()[self.other_pairs].mean()         # the pairs of different crops
         # patches: same crop for both networks; mean over the patches of each crop, then over crops
         patch_temp = temp if self.patch_teacher_temp is None else self.patch_teacher_temp
         patch_ce = []
@@ -201,7 +201,7 @@ class SelfPatchLoss(nn.Module):
         if self.center_crops == "global":                        # crop-major rows: the first 2 crops
             teacher_image = teacher_image[: 2 * len(teacher_image) // self.ncrops]
         image_center = common.all_reduce_sum(teacher_image.sum(dim=0, keepdim=True)) / (len(teacher_image) * world)
-        patch_sum = common.all_reduce_sum(sum(t.float().sum(dim=(0, 1)) for t in teacher_patches)[None])
+        patch_sum = common.all_reduce_sum(sum(t.sum(dim=(0, 1), dtype=torch.float32) for t in teacher_patches)[None])
         patch_center = patch_sum / (sum(t.shape[0] * t.shape[1] for t in teacher_patches) * world)
         self.center.mul_(self.center_momentum).add_(image_center, alpha=1 - self.center_momentum)
         self.patch_center.mul_(self.center_momentum).add_(patch_center, alpha=1 - self.center_momentum)
@@ -352,6 +352,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         common.update_teacher(student, teacher, momentum)
 
         stats = {k: v.item() for k, v in losses.items()}
+        del teacher_output, student_output, losses, loss   # not held through the next step's forward
         stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
@@ -436,7 +437,7 @@ def main(args):
                                  args, device)
         start_step = 0
         save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args)
-        record["skipped_images"] = common.skipped_images(dataset)
+        record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
         if monitor is not None:  # local-feature correspondence on fixed test images
             record.update(monitor(teacher.backbone))
         common.append_log(args.output_dir, record)

@@ -542,8 +542,9 @@ def test_two_processes_equal_one_process(tmp_path):
     over 4 steps: same images and crops, same DRLoc pairs per image, averaged gradients. Drop path
     off. Mixup / CutMix off: timm's Mixup draws its lambda from each process's NumPy RNG and mixes
     each image with its mirror in the process's own batch, so two processes mix other image pairs
-    than one; making it process-invariant would need a mixup over the global batch, not timm's."""
-    args = [*TINY, *RUN, "--drop_path_rate", "0", "--mixup", "0", "--cutmix", "0"]
+    than one; making it process-invariant would need a mixup over the global batch, not timm's.
+    Validation on 9 images: the sampler pads the second process with a repeat, counted once."""
+    args = [*TINY, *RUN, "--drop_path_rate", "0", "--mixup", "0", "--cutmix", "0", "--val_subset", "9"]
     with ThreadPoolExecutor(2) as pool:                  # both at once: most of the time is start-up
         one, two = pool.map(lambda argv: run(*argv), [
             ["drloc.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one")],
@@ -554,6 +555,8 @@ def test_two_processes_equal_one_process(tmp_path):
     a, b = load(tmp_path / "one" / "checkpoint.pth"), load(tmp_path / "two" / "checkpoint.pth")
     assert len(a["rng"]) == 1 and len(b["rng"]) == 2 and records(tmp_path / "two")[-1]["L_drloc"] > 0
     assert_same_trajectory({k: a[k] for k in ("model", "optimizer")}, {k: b[k] for k in ("model", "optimizer")})
+    assert [r["val_images"] for r in records(tmp_path / "one")] == [r["val_images"] for r in records(tmp_path / "two")] \
+        == [9, 9]
 
 
 def test_folder_with_a_truncated_jpeg_and_unusual_images(tmp_path):
