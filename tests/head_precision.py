@@ -90,7 +90,7 @@ def heads(in_dim, out_dim, batch, seed=0):
     yield "peaked (cosine 0.95)", peaked(head, x), x
 
 
-def main():
+def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dim", type=int, default=65536)
     p.add_argument("--batch", type=int, default=128)
@@ -99,7 +99,11 @@ def main():
                                                          "random 224 px images, the backbone under the same autocast "
                                                          "(0 = skip)")
     p.add_argument("--arch", default="vit_small", choices=list(common.ARCHS))
-    a = p.parse_args()
+    return p
+
+
+def main():
+    a = get_args_parser().parse_args()
     print(f"torch {torch.__version__}, K = {a.out_dim}, batch {a.batch}, in_dim {a.in_dim}, "
           f"teacher temperature {TEACHER_TEMP}")
     print(f"{'head':22s} {'case':17s} {'max|dP|':>10s} {'max KL':>10s} {'mean KL':>10s} {'max|dlogit|/T':>14s}")
