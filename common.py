@@ -1276,10 +1276,10 @@ def make_folder(path, flag):
     be: a file of that name, no permission, a read-only disk, too long a name. Returns whether it
     was created."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        die(f"{flag} {path} is a file, not a folder; give a folder name")
-    existed = path.is_dir()
     try:
+        if path.exists() and not path.is_dir():
+            die(f"{flag} {path} is a file, not a folder; give a folder name")
+        existed = path.is_dir()
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         die(f"cannot create {flag} {path}: {e.strerror or e}")
