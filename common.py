@@ -17,7 +17,6 @@ Sections, top to bottom:
 import argparse
 import atexit
 import contextlib
-import errno
 import gzip
 import hashlib
 import itertools
@@ -537,7 +536,8 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
     next readable one instead of stopping the run (for training). Skipped files are listed in
     `bad_images` (this process) and counted in `skipped`, a counter shared with the loader's worker
     processes. With `substitute = False` (evaluation) the error goes to the caller, which drops the
-    sample: a neighbour's image and label would bias the accuracy."""
+    sample: a neighbour's image and label would bias the accuracy. A folder whose walk comes back to
+    a directory (a symbolic link loop) is refused (`refuse_revisited_folders`)."""
 
     def __init__(self, root, skip_bad_images=False):
         refuse_revisited_folders(root)
@@ -565,7 +565,7 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
 def refuse_revisited_folders(root):
     """ImageFolder walks its root following symbolic links, with no guard against a link back up:
     `class/up -> ..` walks the tree again inside itself until the path is too long, multiplying
-    the images (16 became 656). Walk it as ImageFolder does and refuse a folder whose walk reaches
+    the images (a folder of 16 was read as 656). Walk it as ImageFolder does and refuse a folder whose walk reaches
     a directory already seen (a loop, or two links to one folder), naming the link."""
     seen = {}
     for folder, _dirs, _files in os.walk(root, followlinks=True):
@@ -1299,6 +1299,8 @@ def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
     end, error, preemption exit, Ctrl-C); a folder created for a run that stopped before writing
     anything is removed too. `checkpoint` is what Ctrl-C names as the run's last checkpoint."""
     global _output_lock
+    if _output_lock is not None and _output_lock["dir"] != str(output_dir):
+        release_output_dir()                # one run per process (main() called again in process)
     problem = None
     if is_main_process():
         try:
@@ -1343,8 +1345,10 @@ def take_lock(lock, output_dir):
             reason = stale_lock_reason(holder, me)
             if reason is None or attempt:
                 who = (f"pid {holder['pid']} on host {holder['host']}" if holder.get("pid") else "a run starting now")
-                die(f"--output_dir {output_dir} is in use by another run ({who}, lock {lock}); wait for it to end or "
-                    f"choose another --output_dir (delete the lock only if no run uses the folder)")
+                remote = (", which cannot be checked from this host" if holder.get("pid") and holder.get("host") != me["host"]
+                          else "")
+                die(f"--output_dir {output_dir} is in use by another run ({who}{remote}; lock {lock}): wait for it to "
+                    f"end or choose another --output_dir (delete the lock only if no run uses the folder)")
             lock.unlink(missing_ok=True)
             log(f"removed the stale lock {lock} of pid {holder['pid']} on {holder['host']}: {reason}")
             continue
