@@ -1628,9 +1628,11 @@ def add_head_size_args(group):
 def add_run_args(parser, saveckp_freq=20):
     g = parser.add_argument_group("run")
     g.add_argument("--output_dir", default=f"runs/{Path(parser.prog).stem}", type=str,
-                   help="checkpoints and logs; a run resumes from here")
+                   help="checkpoints and logs; a run resumes from here. One run at a time: a second one is "
+                        "refused while the first is alive (the lock file .lock holds its host and pid)")
     g.add_argument("--allow_changed_args", action="store_true",
-                   help="resume although arguments that change what is trained differ from the checkpoint's")
+                   help="resume although arguments that change what is trained, or the dataset, differ from the "
+                        "checkpoint's (on another dataset the epoch starts again at its first batch)")
     g.add_argument("--saveckp_freq", default=saveckp_freq, type=COUNT, help="keep a copy every N epochs")
     g.add_argument("--seed", default=0, type=COUNT, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")

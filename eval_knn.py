@@ -51,7 +51,9 @@ def get_args_parser():
                    help="numbers of neighbours k; the paper finds k=20 consistently best")
     g.add_argument("--temperature", default=0.07, type=common.POSITIVE,
                    help="T in the vote weight exp(similarity / T), from Wu et al. (not tuned)")
-    g.add_argument("--dump_features", default=None, help="save the features and labels to this folder")
+    g.add_argument("--dump_features", default=None,
+                   help="save the features and labels to this folder (created; a folder that already holds "
+                        "features is refused: they are never overwritten)")
     g.add_argument("--load_features", default=None,
                    help="load features and labels saved by --dump_features (no model, no images)")
     common.add_eval_data_args(p)

@@ -67,7 +67,8 @@ def get_args_parser():
     common.add_eval_data_args(p)
     g = common.add_eval_run_args(p)
     g.add_argument("--output_dir", default=".", type=str,
-                   help="log.txt and linear_checkpoint.pth; a run resumes from here")
+                   help="args.json, log.txt and linear_checkpoint.pth; a run resumes from here. Not a folder of "
+                        "another script's run, and one run at a time (.lock)")
     g.add_argument("--max_steps_per_epoch", default=0, type=common.COUNT,
                    help="stop each epoch after N steps (0 = full epoch); for smoke tests")
     return p

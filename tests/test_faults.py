@@ -183,8 +183,9 @@ def test_eval_linear_refuses_a_training_folder_and_writes_nothing_on_failure(tmp
     r = run("eval_linear.py", *EVAL, *data, "--output_dir", str(training))
     one_line_error(r, f"--output_dir {training} holds a training run (checkpoint.pth)")
     (training / "checkpoint.pth").unlink()
-    r = run("eval_linear.py", *EVAL, *data, "--output_dir", str(training))
-    one_line_error(r, "holds another script's run (its args.json has --local_crops_number")
+    import eval_linear
+    with pytest.raises(SystemExit, match="holds another script's run \\(its args.json has --local_crops_number"):
+        eval_linear.check_own_folder(eval_linear.get_args_parser().parse_args(["--output_dir", str(training)]))
     assert (training / "args.json").read_text() == '{"local_crops_number": 8}' and not (training / "log.txt").exists()
     fresh = tmp_path / "probe"
     r = run("eval_linear.py", "--pretrained_weights", str(tmp_path / "missing.pth"), *data, "--output_dir", str(fresh))
