@@ -492,10 +492,23 @@ def user_errors():
         if isinstance(e.code, str):       # die(): a user error
             report_to_torchrun(e.code)
         raise
+    except RuntimeError as e:
+        if not (is_dist() and any(s in str(e) for s in PEER_LOST)):
+            raise
+        # another process stopped (its own error line is above): this one's collective failed
+        reason = next(line for line in str(e).splitlines() if any(s in line for s in PEER_LOST))
+        message = (f"error: process {get_rank()} stops because another process of this run has stopped (its error "
+                   f"is above); torch: {reason.split('] ', 1)[-1].split('. ')[0].strip()}")
+        report_to_torchrun(message)
+        raise SystemExit(message) from None
     finally:
         release_output_dir()
     if is_dist():
         dist.destroy_process_group()
+
+
+# How gloo reports a collective whose peer process has exited.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 
 
 def report_to_torchrun(message):
@@ -506,9 +519,10 @@ def report_to_torchrun(message):
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    try:
+    try:   # torchrun's format; its report shows "py_callstack", here the error line instead of a traceback
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": message,
+                                   "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass   # torchrun's report then shows its generic line; the error line itself was printed
 

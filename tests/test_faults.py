@@ -146,6 +146,32 @@ def test_torchrun_ranks_refuse_together_and_torchrun_repeats_the_error(tmp_path)
     assert r.stderr.count("Traceback") == 1 and "ChildFailedError" in r.stderr     # torchrun's own, no worker's
 
 
+# Runs a training script whose rank 0 finds the disk full when it writes a checkpoint.
+FULL_DISK_ON_RANK_0 = """
+import builtins, os, runpy, sys
+sys.path.insert(0, os.getcwd())
+import common
+if os.environ.get("RANK", "0") == "0":
+    common.open = lambda path, mode="r", *a, **k: (builtins.open("/dev/full", "wb") if ".tmp" in str(path)
+                                                   else builtins.open(path, mode, *a, **k))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_an_error_on_one_torchrun_rank_stops_the_others_in_one_line(tmp_path):
+    """Rank 0 alone writes checkpoints; when it stops (here: a full disk), rank 1's next collective
+    fails. Rank 1 says so in one line instead of gloo's traceback, and torchrun's report names
+    rank 0's error as the root cause."""
+    driver = tmp_path / "full_disk.py"
+    driver.write_text(FULL_DISK_ON_RANK_0)
+    r = run(*TORCHRUN, str(driver), "dino.py", *TINY, "--output_dir", str(tmp_path / "out"), timeout=120)
+    assert r.returncode != 0
+    rank0 = f"error: cannot write {tmp_path / 'out' / 'checkpoint.pth'}: No space left on device"
+    assert rank0 in r.stderr and "error: process 1 stops because another process of this run has stopped" in r.stderr
+    assert r.stderr.count("Traceback") == 1 and f"traceback : {rank0}" in r.stderr.split("Root Cause")[1]
+
+
 @pytest.mark.parametrize("case", ["file", "too_long", "read_only"])
 def test_unusable_output_dir_is_one_line(tmp_path, monkeypatch, case):
     if case == "file":
