@@ -777,8 +777,8 @@ def match_classes(train, test):
     test.samples = test.imgs = [(path, index[label]) for path, label in test.samples]
     test.targets = [label for _, label in test.samples]
     test.classes, test.class_to_idx = list(train_classes), dict(train.class_to_idx)
-    log(f"the test split's {len(test_classes)} classes take the train split's numbering of "
-        f"{len(train_classes)} classes (matched by name)")
+    log(f"the test split's classes ({len(test_classes)}) are numbered as in the train split ({len(train_classes)} "
+        f"classes), matched by name")
     return test
 
 
