@@ -1309,7 +1309,7 @@ def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
     A lock whose process has ended on this host (kill -9, a node reboot) is stale: it is removed
     and said so. A lock written on another host (a shared filesystem) cannot be checked from here:
     it is refused, naming host and pid, unless it was written by an earlier run of the same SLURM
-    job (a requeued job has ended before it runs again). Its owner removes the lock at exit (normal
+    job (a requeued job, SLURM_RESTART_COUNT higher, runs again only after it has ended). Its owner removes the lock at exit (normal
     end, error, preemption exit, Ctrl-C); a folder created for a run that stopped before writing
     anything is removed too. `checkpoint` is what Ctrl-C names as the run's last checkpoint."""
     global _output_lock
@@ -1333,7 +1333,7 @@ def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
 def lock_owner():
     """Who this process is, as a lock records it."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_time(os.getpid()),
-            "slurm_job": os.environ.get("SLURM_JOB_ID")}
+            "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
 
 
 def process_start_time(pid):
@@ -1345,6 +1345,7 @@ def process_start_time(pid):
 
 
 def take_lock(lock, output_dir):
+    """Create `lock` for this process, replacing a stale one (`stale_lock_reason`), or stop."""
     me = lock_owner()
     for attempt in range(2):
         try:
@@ -1388,8 +1389,10 @@ def stale_lock_reason(holder, me):
         if holder.get("start") is not None and start is not None and start != holder["start"]:
             return "that process has ended (its pid now belongs to another process)"
         return None
-    if holder.get("slurm_job") and holder["slurm_job"] == me["slurm_job"]:
-        return f"an earlier run of this SLURM job ({me['slurm_job']}), which has ended"
+    # SLURM requeues a job under the same id, with SLURM_RESTART_COUNT one higher, once it has ended
+    if holder.get("slurm_job") and holder["slurm_job"] == me["slurm_job"] and \
+            holder.get("slurm_restart", 0) < me["slurm_restart"]:
+        return f"an earlier run of this SLURM job ({me['slurm_job']}), which was requeued"
     return None
 
 

@@ -123,10 +123,12 @@ def test_an_error_after_the_claim_releases_the_lock_and_removes_the_new_folder(t
 
 
 def test_locks_of_other_hosts_and_reused_pids():
-    me = {"host": "node1", "pid": 100, "start": 5, "slurm_job": "77"}
+    me = {"host": "node1", "pid": 100, "start": 5, "slurm_job": "77", "slurm_restart": 1}
     assert common.stale_lock_reason({"host": "node2", "pid": 100, "slurm_job": "76"}, me) is None  # cannot check: stands
     assert common.stale_lock_reason({"host": "node2", "pid": 100, "slurm_job": None}, {**me, "slurm_job": None}) is None
-    assert "SLURM job (77)" in common.stale_lock_reason({"host": "node2", "pid": 9, "slurm_job": "77"}, me)  # requeued
+    requeued = {"host": "node2", "pid": 9, "slurm_job": "77", "slurm_restart": 0}
+    assert "SLURM job (77), which was requeued" in common.stale_lock_reason(requeued, me)
+    assert common.stale_lock_reason({**requeued, "slurm_restart": 1}, me) is None   # a concurrent step of the job
     here = {**common.lock_owner(), "pid": 1}
     own = {**common.lock_owner(), "pid": os.getpid(), "start": common.process_start_time(os.getpid())}
     assert common.stale_lock_reason(own, here) is None
