@@ -768,8 +768,8 @@ def match_classes(train, test):
         return test
     unknown = [c for c in test_classes if c not in train_classes]
     if unknown:
-        die(f"the test split has {len(unknown)} classes that the train split does not have: "
-            f"{', '.join(unknown[:10])}{' ...' if len(unknown) > 10 else ''}; a classifier cannot predict them "
+        die(f"the test split has classes that the train split does not have: {', '.join(unknown[:10])}"
+            f"{f' ... ({len(unknown)} in all)' if len(unknown) > 10 else ''}; a classifier cannot predict them "
             f"(give both splits the same class folders)")
     if not isinstance(test, tv_datasets.DatasetFolder):
         die(f"the train and test splits name their classes differently ({len(train_classes)} vs {len(test_classes)})")
