@@ -18,6 +18,7 @@ import argparse
 import atexit
 import contextlib
 import gzip
+import hashlib
 import inspect
 import itertools
 import json
@@ -27,7 +28,9 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -451,7 +454,11 @@ class SeededDataset(torch.utils.data.Dataset):
 
 
 def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """DINO's evaluation transform: Resize(256, bicubic) -> CenterCrop(224) -> normalise."""
+    """DINO's evaluation transform: Resize(256, bicubic) -> CenterCrop(224) -> normalise. A crop
+    larger than the resized image would be padded with black (CenterCrop pads): refused."""
+    if crop > resize:
+        die(f"--crop {crop} is larger than --resize {resize}: the center crop would be padded with black; "
+            f"use --resize {crop} or more (DINO: --resize 256 --crop 224)")
     return transforms.Compose([transforms.Resize(resize, interpolation=TF.InterpolationMode.BICUBIC),
                                transforms.CenterCrop(crop), transforms.ToTensor(),
                                transforms.Normalize(mean, std)])
@@ -483,16 +490,81 @@ class BadImageError(RuntimeError):
 
 @contextlib.contextmanager
 def user_errors():
-    """Around every script's main(): turn an unreadable image met inside the data loader (possibly
-    in a worker process, whose traceback torch prepends) into a one-line error that names the file.
-    After a successful main(), shut the process group down: left to the interpreter's exit, gloo's
-    threads can abort a finished process ("terminate called without an active exception")."""
+    """Around every script's main(): every way out ends in one line, never a traceback.
+    An unreadable image met inside the data loader (possibly in a worker process, whose traceback
+    torch prepends) becomes a one-line error that names the file; Ctrl-C says where the last
+    checkpoint is. Under torchrun the error line is also written to the worker's error file, so
+    that torchrun's closing report ("Root Cause ... traceback :") repeats it instead of a link.
+    The --output_dir lock (`claim_output_dir`) is released on every way out. After a successful
+    main(), the process group is shut down: left to the interpreter's exit, gloo's threads can
+    abort a finished process ("terminate called without an active exception")."""
     try:
         yield
     except BadImageError as e:
-        raise SystemExit("error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]) from None
+        message = "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
+        report_to_torchrun(message)
+        raise SystemExit(message) from None
+    except KeyboardInterrupt:
+        close_progress_bars()
+        message = interrupted_message()
+        report_to_torchrun(message)
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(130) from None    # 128 + SIGINT, the shell's code for Ctrl-C
+    except SystemExit as e:
+        if isinstance(e.code, str):       # die(): a user error
+            report_to_torchrun(e.code)
+        raise
+    except RuntimeError as e:
+        if not (is_dist() and any(s in str(e) for s in PEER_LOST)):
+            raise
+        # another process stopped (its own error line is above): this one's collective failed
+        reason = next(line for line in str(e).splitlines() if any(s in line for s in PEER_LOST))
+        message = (f"error: process {get_rank()} stops because another process of this run has stopped (its error "
+                   f"is above); torch: {reason.split('] ', 1)[-1].split('. ')[0].strip()}")
+        report_to_torchrun(message)
+        raise SystemExit(message) from None
+    finally:
+        release_output_dir()
     if is_dist():
         dist.destroy_process_group()
+
+
+# How gloo reports a collective whose peer process has exited.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def report_to_torchrun(message):
+    """Write `message` to torchrun's error file for this worker (TORCHELASTIC_ERROR_FILE; absent
+    outside torchrun). torchrun then ends with its own traceback (a `ChildFailedError` raised in
+    torchrun itself, not in the script), whose "Root Cause" block names the failed rank and shows
+    this line in its `traceback :` field."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:   # torchrun's format; its report shows "py_callstack", here the error line instead of a traceback
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message,
+                                   "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass   # torchrun's report then shows its generic line; the error line itself was printed
+
+
+def close_progress_bars():
+    """Close the open progress bars before a last message: a bar left open is redrawn when it is
+    garbage-collected at exit, after (and below) the message."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def interrupted_message():
+    """What Ctrl-C leaves: where the last checkpoint of this run is, if it wrote one."""
+    if _output_lock is None or _output_lock["checkpoint"] is None:
+        return "interrupted (Ctrl-C)"
+    path = Path(_output_lock["dir"]) / _output_lock["checkpoint"]
+    if not path.exists():
+        return f"interrupted (Ctrl-C) before the first checkpoint ({path}) was written"
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+    return f"interrupted (Ctrl-C): the last checkpoint is {path} (written {written}); run the same command again to resume"
 
 
 class ImageFolderSafe(tv_datasets.ImageFolder):
@@ -500,9 +572,11 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
     next readable one instead of stopping the run (for training). Skipped files are listed in
     `bad_images` (this process) and counted in `skipped`, a counter shared with the loader's worker
     processes. With `substitute = False` (evaluation) the error goes to the caller, which drops the
-    sample: a neighbour's image and label would bias the accuracy."""
+    sample: a neighbour's image and label would bias the accuracy. A folder whose walk comes back to
+    a directory (a symbolic link loop) is refused (`refuse_revisited_folders`)."""
 
     def __init__(self, root, skip_bad_images=False):
+        refuse_revisited_folders(root)
         super().__init__(root, loader=load_image)
         self.skip_bad_images, self.bad_images, self.substitute = skip_bad_images, [], True
         self.skipped = multiprocessing.Value("l", 0)
@@ -522,6 +596,21 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
                     self.skipped.value += 1
                 print(f"warning: skipping {e}", file=sys.stderr)
         raise BadImageError(f"no readable image in {self.root}")
+
+
+def refuse_revisited_folders(root):
+    """ImageFolder walks its root following symbolic links, with no guard against a link back up:
+    `class/up -> ..` walks the tree again inside itself until the path is too long, multiplying
+    the images (a folder of 16 was read as 656). Walk it as ImageFolder does and refuse a folder whose walk reaches
+    a directory already seen (a loop, or two links to one folder), naming the link."""
+    seen = {}
+    for folder, _dirs, _files in os.walk(root, followlinks=True):
+        info = os.stat(folder)
+        key = (info.st_dev, info.st_ino)
+        if key in seen:
+            die(f"{folder} leads to {seen[key]}, a folder already read (a symbolic link loop or a second link to "
+                f"one folder): its images would be counted again; remove the link from the image folder")
+        seen[key] = folder
 
 
 def skipped_images(dataset, device=None):
@@ -693,6 +782,38 @@ def named_dataset(args, train):
         return ImageFolderSafe(str(root), skip_bad_images=getattr(args, "skip_bad_images", False))
     except FileNotFoundError as e:
         die(f"no images in {root}: {e}. Expected one sub-folder per class with image files inside")
+
+
+def match_classes(train, test):
+    """The test split with its labels numbered as the train split numbers the same class names.
+    ImageFolder numbers the class folders of each split on its own (sorted names): a val/ holding a
+    subset of train/'s classes would otherwise get shifted labels and a silently wrong accuracy.
+    A test class that the train split does not have is an error naming it."""
+    train_classes, test_classes = getattr(train, "classes", None), getattr(test, "classes", None)
+    if train_classes is None or test_classes is None or list(train_classes) == list(test_classes):
+        return test
+    unknown = [c for c in test_classes if c not in train_classes]
+    if unknown:
+        die(f"the test split has classes that the train split does not have: {', '.join(unknown[:10])}"
+            f"{f' ... ({len(unknown)} in all)' if len(unknown) > 10 else ''}; a classifier cannot predict them "
+            f"(give both splits the same class folders)")
+    if not isinstance(test, tv_datasets.DatasetFolder):
+        die(f"the train and test splits name their classes differently ({len(train_classes)} vs {len(test_classes)})")
+    index = [list(train_classes).index(name) for name in test_classes]    # test label -> train label
+    test.samples = test.imgs = [(path, index[label]) for path, label in test.samples]
+    test.targets = [label for _, label in test.samples]
+    test.classes, test.class_to_idx = list(train_classes), dict(train.class_to_idx)
+    log(f"the test split's classes ({len(test_classes)}) are numbered as in the train split ({len(train_classes)} "
+        f"classes), matched by name")
+    return test
+
+
+def build_eval_splits(args):
+    """(train, test) datasets for evaluation, the test labels numbered as the train split's
+    classes (`match_classes`)."""
+    train = build_dataset(args, train=True)
+    return train, match_classes(train, build_dataset(args, train=False))
+
 
 
 # ================================================================================================
@@ -883,6 +1004,7 @@ def preemption_requested(device):
 
 
 def exit_after_preemption(output_dir):
+    close_progress_bars()
     log(f"received {_preemption_signal or 'a preemption signal'}: checkpoint written to "
         f"{Path(output_dir) / 'checkpoint.pth'}; run the same command again to resume")
     if is_dist():
@@ -1085,6 +1207,7 @@ def stop_if_not_finite(loss, epoch, args, debug_state):
     if is_main_process():
         save_checkpoint(state, path)
     clip = f"a --clip_grad below {args.clip_grad}" if args.clip_grad else "--clip_grad 3.0 (or lower)"
+    close_progress_bars()   # the error, not the bar, is the last line
     log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
         f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
         f"gradients. Try --precision fp32, a lower --lr, or {clip}.")
@@ -1132,6 +1255,13 @@ def save_checkpoint(state, path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError over the OSError
+        cause = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, OSError)), None)
+        if cause is None:
+            raise
+        kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written"
+        die(f"cannot write {path}: {cause.strerror or cause} ({kept}); free space or fix the folder, then "
+            f"run the same command again")
     finally:
         tmp.unlink(missing_ok=True)  # only left over when the write failed
 
@@ -1172,7 +1302,11 @@ RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_i
 def check_crop_sizes(args):
     """One rule for every self-supervised script: each crop is tiled exactly by the last tokens.
     Otherwise a ViT stops deep inside timm, and a Swin silently pads its token maps with zeros
-    (averaged into the global feature, and off the crop's geometry)."""
+    (averaged into the global feature, and off the crop's geometry). The crops' area ranges must
+    be (min, max)."""
+    check_scale_range("--global_crops_scale", args.global_crops_scale)
+    if args.local_crops_number:
+        check_scale_range("--local_crops_scale", args.local_crops_scale)
     stride = token_stride(args.arch, args.patch_size)
     sizes = {"--global_crop_size": args.global_crop_size}
     if args.local_crops_number:
@@ -1181,6 +1315,12 @@ def check_crop_sizes(args):
         if size % stride:
             die(f"{flag} {size} is not a multiple of the {args.arch} token stride ({stride} px); "
                 f"use e.g. {max(stride, size // stride * stride)}")
+
+
+def check_scale_range(flag, scale):
+    """An area range (min, max) of RandomResizedCrop: reversed, torch fails only in the first batch."""
+    if scale[0] > scale[1]:
+        die(f"{flag} {scale[0]} {scale[1]} is reversed: give the smallest area first, e.g. {flag} {scale[1]} {scale[0]}")
 
 
 def check_eval_crop(crop, arch, patch_size):
@@ -1192,11 +1332,13 @@ def check_eval_crop(crop, arch, patch_size):
 
 
 def start_training(args, method):
-    """Start-up of a training script, before anything is written to --output_dir: the crop sizes
-    (`check_crop_sizes`) and the checkpoint to resume from: written by this method, readable, and
-    trained with the same arguments (`check_resumed_args`). Then removes this script's own stale
+    """Start-up of a training script, before anything is written to --output_dir: the folder is
+    claimed for this run (`claim_output_dir`: refused while another run uses it), then the crop
+    sizes (`check_crop_sizes`) and the checkpoint to resume from: written by this method, readable,
+    and trained with the same arguments (`check_resumed_args`). Then removes this script's own stale
     temporary files. Returns the checkpoint to resume from, or None. The script writes args.json
     (`save_args`) once the rest of its start-up (data, model) has passed too."""
+    claim_output_dir(args.output_dir)
     if hasattr(args, "global_crop_size"):   # DRLoc checks its --input_size itself
         check_crop_sizes(args)
     path = Path(args.output_dir) / "checkpoint.pth"
@@ -1212,6 +1354,142 @@ def start_training(args, method):
     if is_main_process():
         remove_stale_temporaries(args.output_dir)
     return ckpt
+
+
+# ------------------------------------------------------------------------------------------------
+# One run per --output_dir
+# ------------------------------------------------------------------------------------------------
+LOCK_FILE = ".lock"
+_output_lock = None     # this process's claim on its --output_dir (see claim_output_dir)
+
+
+def make_folder(path, flag):
+    """Create the folder that `flag` names (and its parents), with a one-line error where it cannot
+    be: a file of that name, no permission, a read-only disk, too long a name. Returns whether it
+    was created."""
+    path = Path(path)
+    try:
+        if path.exists() and not path.is_dir():
+            die(f"{flag} {path} is a file, not a folder; give a folder name")
+        existed = path.is_dir()
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create {flag} {path}: {e.strerror or e}")
+    return not existed
+
+
+def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
+    """Make --output_dir this run's own before anything is written to it, so that two runs never
+    overwrite each other's checkpoints and logs. Rank 0 creates the folder and in it `.lock`,
+    holding its host, pid (and the pid's start time, SLURM job id); every process learns the
+    outcome, so that all of them stop together, in one line, if the folder is another run's.
+
+    A lock whose process has ended on this host (kill -9, a node reboot) is stale: it is removed
+    and said so. A lock written on another host (a shared filesystem) cannot be checked from here:
+    it is refused, naming host and pid, unless it was written by an earlier run of the same SLURM
+    job (a requeued job, SLURM_RESTART_COUNT higher, runs again only after it has ended). Its owner removes the lock at exit (normal
+    end, error, preemption exit, Ctrl-C); a folder created for a run that stopped before writing
+    anything is removed too. `checkpoint` is what Ctrl-C names as the run's last checkpoint."""
+    global _output_lock
+    if _output_lock is not None and _output_lock["dir"] != str(output_dir):
+        release_output_dir()                # one run per process (main() called again in process)
+    problem = None
+    if is_main_process():
+        try:
+            created = make_folder(output_dir, "--output_dir")
+            take_lock(Path(output_dir) / LOCK_FILE, output_dir)
+        except SystemExit as e:
+            problem = str(e.code)
+    problem = all_gather_objects(problem)[0]
+    if problem:
+        raise SystemExit(problem)
+    _output_lock = {"dir": str(output_dir), "checkpoint": checkpoint, "pid": os.getpid(),
+                    "lock": str(Path(output_dir) / LOCK_FILE) if is_main_process() else None,
+                    "created": is_main_process() and created}
+
+
+def lock_owner():
+    """Who this process is, as a lock records it."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_time(os.getpid()),
+            "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
+
+
+def process_start_time(pid):
+    """When process `pid` started (clock ticks since boot; Linux), or None: tells a reused pid apart."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def take_lock(lock, output_dir):
+    """Create `lock` for this process, replacing a stale one (`stale_lock_reason`), or stop."""
+    me = lock_owner()
+    for attempt in range(2):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)   # atomic: one of two racing runs wins
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text())
+            except (OSError, ValueError):
+                holder = {}
+            if (holder.get("host"), holder.get("pid")) == (me["host"], me["pid"]):
+                return                                   # this process already holds it (main() run twice)
+            reason = stale_lock_reason(holder, me)
+            if reason is None or attempt:
+                who = (f"pid {holder['pid']} on host {holder['host']}" if holder.get("pid") else "a run starting now")
+                remote = (", which cannot be checked from this host" if holder.get("pid") and holder.get("host") != me["host"]
+                          else "")
+                die(f"--output_dir {output_dir} is in use by another run ({who}{remote}; lock {lock}): wait for it to "
+                    f"end or choose another --output_dir (delete the lock only if no run uses the folder)")
+            lock.unlink(missing_ok=True)
+            log(f"removed the stale lock {lock} of pid {holder['pid']} on {holder['host']}: {reason}")
+            continue
+        except OSError as e:
+            die(f"cannot write in --output_dir {output_dir}: {e.strerror or e}")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as e:
+            lock.unlink(missing_ok=True)
+            die(f"cannot write in --output_dir {output_dir}: {e.strerror or e}")
+        return
+
+
+def stale_lock_reason(holder, me):
+    """Why the lock of `holder` no longer protects a run (None: it may, so it stands)."""
+    if not holder.get("pid"):
+        return None                                      # being written right now, or unreadable
+    if holder.get("host") == me["host"]:
+        if not process_alive(holder["pid"]):
+            return "that process has ended"
+        start = process_start_time(holder["pid"])
+        if holder.get("start") is not None and start is not None and start != holder["start"]:
+            return "that process has ended (its pid now belongs to another process)"
+        return None
+    # SLURM requeues a job under the same id, with SLURM_RESTART_COUNT one higher, once it has ended
+    if holder.get("slurm_job") and holder["slurm_job"] == me["slurm_job"] and \
+            holder.get("slurm_restart", 0) < me["slurm_restart"]:
+        return f"an earlier run of this SLURM job ({me['slurm_job']}), which was requeued"
+    return None
+
+
+@atexit.register
+def release_output_dir():
+    """Remove this process's lock (and the folder, if it created it and nothing was written)."""
+    global _output_lock
+    claim, _output_lock = _output_lock, None
+    if not claim or not claim["lock"] or claim["pid"] != os.getpid():   # a forked child inherits the claim
+        return
+    lock = Path(claim["lock"])
+    try:
+        if json.loads(lock.read_text()).get("pid") == os.getpid():
+            lock.unlink()
+    except (OSError, ValueError):
+        pass
+    if claim["created"]:
+        with contextlib.suppress(OSError):
+            Path(claim["dir"]).rmdir()      # only if empty
 
 
 def check_resumed_args(ckpt, args, path):
@@ -1230,6 +1508,53 @@ def check_resumed_args(ckpt, args, path):
         die(f"{path} has already trained {ckpt['epoch']} epochs, more than --epochs {args.epochs}")
     if "epochs" in old and old["epochs"] != args.epochs:
         log(f"--epochs changed from {old['epochs']} to {args.epochs}: the schedules follow the new length")
+
+
+def dataset_record(dataset):
+    """What a checkpoint records of its training set, so that a resumed run notices another one
+    (--data_path may change on resume, to follow moved data): the number of images and a
+    fingerprint of what the set lists, read without opening an image: the class names and, per
+    image, its path relative to the folder and its label (an image folder) or its label. Computed
+    once per dataset object."""
+    if hasattr(dataset, "data_record"):
+        return dataset.data_record
+    indices, base = range(len(dataset)), dataset
+    while isinstance(base, torch.utils.data.Subset) or isinstance(base, SeededDataset):
+        if isinstance(base, SeededDataset):
+            base = base.base
+        else:
+            indices, base = [base.indices[i] for i in indices], base.dataset
+    if hasattr(base, "samples"):
+        entries = [f"{os.path.relpath(base.samples[i][0], base.root)}\t{base.samples[i][1]}" for i in indices]
+    else:
+        labels = getattr(base, "targets", None)
+        labels = getattr(base, "labels", None) if labels is None else labels
+        entries = [] if labels is None else [str(int(labels[i])) for i in indices]
+    text = "\n".join([type(base).__name__, *map(str, getattr(base, "classes", None) or []), *entries])
+    dataset.data_record = {"images": len(dataset), "fingerprint": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    return dataset.data_record
+
+
+def resume_position(ckpt, dataset, args):
+    """(epoch, step) where a resumed run continues. The step counts batches of one permutation of
+    the checkpoint's training set: on another dataset (another size or fingerprint than the
+    checkpoint records: `dataset_record`) it means nothing, and past the end of a smaller one's
+    epoch it would silently train nothing. Another dataset is refused; with --allow_changed_args
+    the run goes on with it from the start of the checkpoint's epoch, and says so. A checkpoint
+    without the record resumes where it stopped."""
+    epoch, step = ckpt["epoch"], ckpt["step"]
+    old, new = ckpt.get("dataset"), dataset_record(dataset)
+    if old is None or old == new:
+        return epoch, step
+    path = Path(args.output_dir) / "checkpoint.pth"
+    change = (f"{old['images']} images, now {new['images']}" if old["images"] != new["images"]
+              else f"{new['images']} images as now, but other files or labels")
+    if not args.allow_changed_args:
+        die(f"{path} was trained on another dataset ({change}); resume with the same data, or use another "
+            f"--output_dir, or --allow_changed_args to go on with this one from the start of epoch {epoch}")
+    log(f"warning: resuming on another dataset ({change}; --allow_changed_args): epoch {epoch} starts again at "
+        f"its first batch" + (f" (the checkpoint stopped after step {step})" if step else ""))
+    return epoch, 0
 
 
 def as_plain(value):
@@ -1416,9 +1741,11 @@ def add_head_size_args(group):
 def add_run_args(parser, saveckp_freq=20):
     g = parser.add_argument_group("run")
     g.add_argument("--output_dir", default=f"runs/{Path(parser.prog).stem}", type=str,
-                   help="checkpoints and logs; a run resumes from here")
+                   help="checkpoints and logs; a run resumes from here. One run at a time: a second one is "
+                        "refused while the first is alive (the lock file .lock holds its host and pid)")
     g.add_argument("--allow_changed_args", action="store_true",
-                   help="resume although arguments that change what is trained differ from the checkpoint's")
+                   help="resume although arguments that change what is trained, or the dataset, differ from the "
+                        "checkpoint's (on another dataset the epoch starts again at its first batch)")
     g.add_argument("--saveckp_freq", default=saveckp_freq, type=COUNT, help="keep a copy every N epochs")
     g.add_argument("--seed", default=0, type=COUNT, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto",

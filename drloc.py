@@ -464,7 +464,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
         preempted = common.preemption_requested(device)   # SIGTERM / SIGUSR1 in any process
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
         if (preempted or periodic) and it + 1 < n_steps:  # after an epoch's last step, main() saves
-            save_all(model, optimizer, scaler, criterion, epoch, it + 1, args)
+            save_all(model, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -505,7 +505,7 @@ def main(args):
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's augmentation depends only on (seed, epoch, index)
-    train_base, val_base = common.build_dataset(args, train=True), common.build_dataset(args, train=False)
+    train_base, val_base = common.build_eval_splits(args)     # val labels numbered as train's classes
     num_classes = count_classes(train_base)
     train_base = first(train_base, args.train_subset, "--train_subset")
     val_base = first(val_base, args.val_subset, "--val_subset")
@@ -548,7 +548,7 @@ def main(args):
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
     if ckpt is not None:
         common.restore(ckpt, model=model, optimizer=optimizer, scaler=scaler, drloc_loss=criterion)
-        start_epoch, start_step = ckpt["epoch"], ckpt["step"]
+        start_epoch, start_step = common.resume_position(ckpt, dataset, args)
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
@@ -559,7 +559,7 @@ def main(args):
                                  args, device)
         start_step = 0
         record.update(validate(model, val_loader, device, args))
-        save_all(model, optimizer, scaler, criterion, epoch + 1, 0, args)
+        save_all(model, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
@@ -568,7 +568,7 @@ def main(args):
     common.log(f"done; backbone for evaluation: {Path(args.output_dir) / 'backbone.pth'}")
 
 
-def save_all(model, optimizer, scaler, criterion, epoch, step, args):
+def save_all(model, optimizer, scaler, criterion, epoch, step, args, dataset):
     """checkpoint.pth: everything needed to resume at batch `step` of `epoch` (every process takes
     part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy every
     saveckp_freq epochs and the backbone alone with timm key names (for eval_knn.py,
@@ -576,7 +576,7 @@ def save_all(model, optimizer, scaler, criterion, epoch, step, args):
     state = {"model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict(), "drloc_loss": criterion.state_dict(), "epoch": epoch, "step": step,
              "args": vars(args), "method": "drloc", "backbone": common.backbone_record(common.unwrap(model).backbone),
-             "rng": common.all_gather_objects(common.rng_state())}
+             "dataset": common.dataset_record(dataset), "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)

@@ -51,7 +51,9 @@ def get_args_parser():
                    help="numbers of neighbours k; the paper finds k=20 consistently best")
     g.add_argument("--temperature", default=0.07, type=common.POSITIVE,
                    help="T in the vote weight exp(similarity / T), from Wu et al. (not tuned)")
-    g.add_argument("--dump_features", default=None, help="save the features and labels to this folder")
+    g.add_argument("--dump_features", default=None,
+                   help="save the features and labels to this folder (created; a folder that already holds "
+                        "features is refused: they are never overwritten)")
     g.add_argument("--load_features", default=None,
                    help="load features and labels saved by --dump_features (no model, no images)")
     common.add_eval_data_args(p)
@@ -128,6 +130,15 @@ def knn_classifier(train_features, train_labels, test_features, test_labels, k, 
 FEATURE_FILES = ("trainfeat.pth", "trainlabels.pth", "testfeat.pth", "testlabels.pth")  # the authors' names
 
 
+def check_dump_folder(folder):
+    """--dump_features names a folder to create or one without features in it: never overwrite."""
+    common.make_folder(folder, "--dump_features")
+    existing = [name for name in FEATURE_FILES if (Path(folder) / name).exists()]
+    if existing:
+        common.die(f"--dump_features {folder} already holds {', '.join(existing)}; choose another folder "
+                   f"(or delete them)")
+
+
 def main(args):
     """Returns {k: (top1, top5)} on the main process, None on the others."""
     device = common.init_distributed(args.device)
@@ -139,17 +150,18 @@ def main(args):
         train_features, train_labels, test_features, test_labels = (
             torch.load(folder / name, map_location="cpu", weights_only=True) for name in FEATURE_FILES)
     else:
+        if args.dump_features:      # checked before the features are extracted, not after
+            check_dump_folder(args.dump_features)
         model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
                                            args.patch_size, args.window_size, args.random_init, args.crop)
         common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
         model.to(device)
         transform = common.eval_transform(args.resize, args.crop)
-        train_set, test_set = common.build_dataset(args, train=True), common.build_dataset(args, train=False)
+        train_set, test_set = common.build_eval_splits(args)    # test labels numbered as train's classes
         common.log(f"data: {len(train_set)} train and {len(test_set)} test images")
         train_features, train_labels = extract_features(model, train_set, transform, args, device)
         test_features, test_labels = extract_features(model, test_set, transform, args, device)
         if args.dump_features and common.is_main_process():
-            Path(args.dump_features).mkdir(parents=True, exist_ok=True)
             for name, t in zip(FEATURE_FILES, (train_features, train_labels, test_features, test_labels)):
                 torch.save(t.cpu(), Path(args.dump_features) / name)
             common.log(f"features saved to {args.dump_features}")

@@ -28,10 +28,11 @@ Where this file differs from the authors' eval_linear.py:
     image exactly once, also under torchrun;
   * the learning rate of epoch e is computed from (e, --epochs) instead of being a scheduler state
     that is saved and restored, so a run resumed with more --epochs follows the longer schedule;
-  * the checkpoint is linear_checkpoint.pth (not checkpoint.pth.tar), so that pointing
-    --output_dir at a pretraining folder cannot overwrite the pretraining checkpoint.
+  * the checkpoint is linear_checkpoint.pth (not checkpoint.pth.tar), and an --output_dir that
+    holds another script's run (a pretraining folder) is refused, so that no run's files are overwritten.
 """
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def get_args_parser():
     common.add_eval_data_args(p)
     g = common.add_eval_run_args(p)
     g.add_argument("--output_dir", default=".", type=str,
-                   help="log.txt and linear_checkpoint.pth; a run resumes from here")
+                   help="args.json, log.txt and linear_checkpoint.pth; a run resumes from here. Not a folder of "
+                        "another script's run, and one run at a time (.lock)")
     g.add_argument("--max_steps_per_epoch", default=0, type=common.COUNT,
                    help="stop each epoch after N steps (0 = full epoch); for smoke tests")
     return p
@@ -221,11 +223,41 @@ def check_same_weights(ckpt, identity, ckpt_path):
 
 
 def count_labels(dataset, args):
-    if args.num_labels:
+    """The classifier's outputs: one per class of the train split. --num_labels must agree (fewer
+    outputs than labels fail inside the loss, more would be classes that never occur)."""
+    classes = getattr(dataset, "classes", None)
+    if classes is None:
+        labels = getattr(dataset, "targets", None)
+        labels = getattr(dataset, "labels", None) if labels is None else labels
+        if not args.num_labels:
+            common.die(f"cannot tell the number of classes of --dataset {args.dataset}; pass --num_labels")
+        if labels is not None and len(labels) and int(max(labels)) >= args.num_labels:
+            common.die(f"--num_labels {args.num_labels} is too few: the train split has label {int(max(labels))}")
         return args.num_labels
-    if not hasattr(dataset, "classes"):
-        common.die(f"cannot tell the number of classes of --dataset {args.dataset}; pass --num_labels")
-    return len(dataset.classes)
+    if args.num_labels and args.num_labels != len(classes):
+        common.die(f"--num_labels {args.num_labels} does not match the {len(classes)} classes of the train split; "
+                   f"leave it out (the classes are counted)")
+    return len(classes)
+
+
+def check_own_folder(args):
+    """eval_linear.py writes args.json, log.txt and linear_checkpoint.pth into --output_dir: never
+    into a folder that holds another script's run (a training run's checkpoint.pth, or an
+    args.json with arguments this script does not take)."""
+    folder = Path(args.output_dir)
+    advice = f"give the linear probe its own --output_dir, e.g. {folder / 'linear'}"
+    if (folder / "checkpoint.pth").exists():
+        common.die(f"--output_dir {folder} holds a training run (checkpoint.pth), whose args.json and log.txt "
+                   f"eval_linear.py would overwrite; {advice}")
+    if (folder / "args.json").is_file():
+        try:
+            recorded = json.loads((folder / "args.json").read_text())
+        except (OSError, ValueError):
+            recorded = None
+        foreign = sorted(set(recorded) - set(vars(args))) if isinstance(recorded, dict) else ["?"]
+        if foreign:
+            common.die(f"--output_dir {folder} holds another script's run (its args.json has --{foreign[0]}, which "
+                       f"eval_linear.py does not take); {advice}")
 
 
 # ================================================================================================
@@ -235,7 +267,8 @@ def main(args):
     """Returns the best validation top-1 (%)."""
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
-    common.save_args(args)
+    check_own_folder(args)
+    common.claim_output_dir(args.output_dir, checkpoint="linear_checkpoint.pth")   # refused while another run uses it
 
     # ---- frozen backbone; the linear probe's input size from one dry run
     model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
@@ -248,8 +281,7 @@ def main(args):
         dim = probe_features(model, torch.zeros(1, 3, args.crop, args.crop, device=device), args).shape[1]
 
     # ---- data: augmentations depend only on (seed, epoch, index)
-    train_set = common.build_dataset(args, train=True)
-    val_set = common.build_dataset(args, train=False)
+    train_set, val_set = common.build_eval_splits(args)    # val labels numbered as train's classes
     num_labels = count_labels(train_set, args)
     train_data = common.SeededDataset(train_set, train_transform(args.crop), seed=args.seed)
     train_loader, sampler = common.make_loader(train_data, args.batch_size_per_gpu, args.num_workers,
@@ -275,6 +307,7 @@ def main(args):
         start_epoch, best_top1 = ckpt["epoch"], ckpt["best_top1"]
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far {best_top1:.2f}%)")
 
+    common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         for group in optimizer.param_groups:

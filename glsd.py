@@ -343,7 +343,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         preempted = common.preemption_requested(device)   # SIGTERM / SIGUSR1 in any process
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
         if (preempted or periodic) and it + 1 < n_steps:  # after an epoch's last step, main() saves
-            save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args)
+            save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -404,7 +404,7 @@ def main(args):
     start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
     if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, glsd_loss=criterion)
-        start_epoch, start_step = ckpt["epoch"], ckpt["step"]
+        start_epoch, start_step = common.resume_position(ckpt, dataset, args)
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
@@ -414,7 +414,7 @@ def main(args):
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
-        save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args)
+        save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
         if monitor is not None:  # local-feature correspondence on fixed test images
             record.update(monitor(teacher.backbone))
@@ -425,7 +425,7 @@ def main(args):
     common.log(f"done; teacher backbone for evaluation: {Path(args.output_dir) / 'teacher_backbone.pth'}")
 
 
-def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
+def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args, dataset):
     """checkpoint.pth: everything needed to resume at batch `step` of `epoch` (every process takes
     part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy every
     saveckp_freq epochs and the teacher backbone alone with timm key names (for eval_knn.py,
@@ -434,7 +434,7 @@ def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args):
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "glsd_loss": criterion.state_dict(),
              "epoch": epoch, "step": step, "args": vars(args), "method": "glsd",
              "backbone": common.backbone_record(teacher.backbone),
-             "rng": common.all_gather_objects(common.rng_state())}
+             "dataset": common.dataset_record(dataset), "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)

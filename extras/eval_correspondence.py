@@ -119,6 +119,9 @@ def main(args):
     """Returns {protocol: metrics} (the same on every process)."""
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
+    common.check_scale_range("--crops_scale", args.crops_scale)
+    if args.save_pictures:         # before any work: a file of that name is one line, not a late traceback
+        common.make_folder(args.save_pictures, "--save_pictures")
     model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
                                        args.window_size, args.random_init, args.crop_size)
     backbone = common.dense_backbone(model).to(device)
@@ -131,8 +134,6 @@ def main(args):
         images = torch.utils.data.Subset(images, range(min(args.max_images, len(images))))
     common.log(f"data: {len(images)} {args.split} images, {args.crop_size} px views, "
                f"{args.crop_size // stride}x{args.crop_size // stride} tokens")
-    if args.save_pictures:
-        Path(args.save_pictures).mkdir(parents=True, exist_ok=True)
     results = {}
     for protocol in args.protocols:
         views = common.PairViews(protocol, args.crop_size, args.crops_scale, args.photometric)
