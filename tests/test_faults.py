@@ -326,8 +326,11 @@ def test_save_pictures_naming_a_file_is_one_line(tmp_path):
 
 def test_ctrl_c_names_the_last_checkpoint_without_a_traceback(tmp_path):
     args = [*TINY, "--epochs", "50", "--max_steps_per_epoch", "0", "--output_dir", str(tmp_path)]
+    # A shell without job control starts background commands with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: give the child the default disposition a terminal gives.
     proc = subprocess.Popen([sys.executable, "dino.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+                            stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not (tmp_path / "checkpoint.pth").exists() and time.time() < deadline:   # after the first epoch
         time.sleep(0.2)
