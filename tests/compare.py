@@ -129,7 +129,7 @@ def write_fashion_mnist_8k(data_dir):
     test = common.FashionMNIST(train=False)
     for i in range(len(test)):
         image, label = test[i]
-        folder = root / ("train" if i < 8000 else "val") / f"{label}_{test.classes[label].replace('/', '_')}"
+        folder = root / ("train" if i < 8000 else "val") / re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
         folder.mkdir(parents=True, exist_ok=True)
         image.convert("L").save(folder / f"{i:05d}.png")
     return root
@@ -278,35 +278,47 @@ def cell(values, digits=1):
     return f"{statistics.mean(values):.{digits}f} ± {half_range(values):.{digits}f}"
 
 
-def comparison_table(records, data, phase, variant="recipe"):
-    rows = ["| row | seeds | 20-NN top-1 (%) | linear top-1 (%) | flip: top-10 / all-token acc. (%) | "
-            "overlap: all-token acc. (%) | h / ln K | h̄ / ln K | train time (min) | peak memory (MB) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+def comparison_table(records, data, phase):
+    """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
+    the variants and ROWS' order within one; the gain is the 20-NN top-1 minus that of the random-init
+    row of the same backbone and seed (any variant: the initialisation depends on the seed only),
+    seed by seed."""
+    lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | gain over random init | linear top-1 (%) | "
+             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln K | "
+             "train time (min) | peak memory (MB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    chosen = [r for r in records if r["data"] == data and r["phase"] == phase]
+    random_init = {}
+    for r in chosen:
+        if r.get("random_init"):
+            random_init.setdefault((r["backbone"], r["seed"]), r["knn_top1"])
     groups = {}
-    for r in records:
-        if r["data"] == data and r["phase"] == phase and r["variant"] == variant:
-            groups.setdefault(r["row"], []).append(r)
-    for row in ROWS:
-        rs = groups.get(row)
-        if not rs:
-            continue
-        if row == "pixels":
-            rows.append(f"| raw pixels | — | {rs[0]['knn_top1']:.1f} | — | — | — | — | — | — | — |")
-            continue
-        corr = [r.get("correspondence", {}) for r in rs]
-        flip = (f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / {cell([c['esvit']['accuracy'] for c in corr])}"
-                if all("esvit" in c for c in corr) else "—")
-        overlap = cell([c["overlap"]["accuracy"] for c in corr]) if all("overlap" in c for c in corr) else "—"
-        entropy = [cell([r[k] / r["ln_k"] for r in rs], 2) if all(k in r for r in rs) else "—"
-                   for k in ("teacher_entropy", "mean_target_entropy")]
-        minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
-        memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
-        rows.append(f"| {row} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
-                    f"{cell([r.get('linear_top1') for r in rs])} | {flip} | {overlap} | {entropy[0]} | {entropy[1]} | "
-                    f"{minutes} | {memory} |")
-    if len(rows) == 2:
+    for r in chosen:
+        groups.setdefault(r["variant"], {}).setdefault(r["row"], []).append(r)
+    for variant, by_row in groups.items():
+        for row in ROWS:
+            rs = by_row.get(row)
+            if not rs:
+                continue
+            if row == "pixels":
+                lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} | — | — | — | — | — | — | — | — |")
+                continue
+            steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
+            gains = [r["knn_top1"] - random_init[(r["backbone"], r["seed"])] for r in rs
+                     if (r["backbone"], r["seed"]) in random_init]
+            gain = cell(gains) if row not in RANDOM_ROWS and len(gains) == len(rs) else "—"
+            corr = [r["correspondence"] for r in rs]
+            flip = f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / {cell([c['esvit']['accuracy'] for c in corr])}"
+            overlap = cell([c["overlap"]["accuracy"] for c in corr])
+            entropy = [cell([r[k] / r["ln_k"] for r in rs], 2) if all(k in r for r in rs) else "—"
+                       for k in ("teacher_entropy", "mean_target_entropy")]
+            minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
+            memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
+            lines.append(f"| {row} | {variant} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | {gain} | "
+                         f"{cell([r['linear_top1'] for r in rs])} | {flip} | {overlap} | {entropy[0]} | {entropy[1]} | "
+                         f"{minutes} | {memory} |")
+    if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
-    return "\n".join(rows)
+    return "\n".join(lines)
 
 
 def reproducing_commands(records):
@@ -323,7 +335,9 @@ def reproducing_commands(records):
         line = (f"python tests/compare.py --data {data} --phase {phase} --steps {steps} "
                 f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
         if variant != "recipe":
-            line += f' --variant {variant} --extra "{extra}"'
+            line += f" --variant {variant}"
+        if extra:
+            line += f' --extra "{extra}"'
         lines.append(line)
     return lines
 
