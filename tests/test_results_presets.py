@@ -232,3 +232,8 @@ def test_pixels_knn_on_a_separable_toy_set():
             return self.items[i]
 
     assert results.pixels_knn_top1(Toy(40), Toy(10)) == 100.0
+
+
+def test_comparison_pixel_row_reads_the_datasets_by_their_flags():
+    top1 = compare.pixels_knn(["--dataset", "synthetic", "--synthetic_images", "40", "--synthetic_image_size", "16"])
+    assert 0.0 <= top1 <= 100.0
