@@ -228,8 +228,10 @@ def run_row(row, args, seed):
         if not weights.is_file():
             sys.exit(f"error: {row} is evaluated on {RANDOM_ROWS[row]}'s checkpoint of seed {seed}, which is "
                      f"missing ({weights}): run that row first")
-        record.update(knn_top1=evaluate.knn(weights, random_init=True), linear_top1=evaluate.linear(weights, True),
+        record.update(knn_top1=evaluate.knn(weights, random_init=True),
                       correspondence=evaluate.correspondence(weights, random_init=True))
+        if not args.skip_linear:
+            record["linear_top1"] = evaluate.linear(weights, random_init=True)
         return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
                 "cpu_seconds": evaluate.cpu_seconds}
     _, script, _ = METHOD_FLAGS[row]
@@ -241,8 +243,10 @@ def run_row(row, args, seed):
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
     weights = out / "checkpoint.pth"
-    record.update(knn_top1=evaluate.knn(weights), linear_top1=evaluate.linear(weights),
-                  correspondence=evaluate.correspondence(weights), **evaluate.collapse(weights))
+    record.update(knn_top1=evaluate.knn(weights), correspondence=evaluate.correspondence(weights),
+                  **evaluate.collapse(weights))
+    if not args.skip_linear:
+        record["linear_top1"] = evaluate.linear(weights)
     if seed in args.curve_seeds:
         record["curve"] = []
         for epoch in range(args.curve_every // STEPS_PER_EPOCH, args.steps // STEPS_PER_EPOCH,
@@ -318,7 +322,7 @@ def comparison_table(records, data, phase):
             minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
             memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
             lines.append(f"| {row} | {variant} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | {gain} | "
-                         f"{cell([r['linear_top1'] for r in rs])} | {flip} | {overlap} | {entropy[0]} | {entropy[1]} | "
+                         f"{cell([r.get('linear_top1') for r in rs])} | {flip} | {overlap} | {entropy[0]} | {entropy[1]} | "
                          f"{minutes} | {memory} |")
     if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
@@ -329,15 +333,18 @@ def reproducing_commands(records):
     """One `python tests/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
     groups = {}
     for r in records:
-        key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""))
+        skip_linear = r["row"] != "pixels" and "linear_top1" not in r
+        key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
         rows, seeds = groups.setdefault(key, ([], set()))
         if r["row"] not in rows:
             rows.append(r["row"])
         seeds.add(r["seed"])
     lines = []
-    for (data, phase, variant, steps, extra), (rows, seeds) in groups.items():
+    for (data, phase, variant, steps, extra, skip_linear), (rows, seeds) in groups.items():
         line = (f"python tests/compare.py --data {data} --phase {phase} --steps {steps} "
                 f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
+        if skip_linear:
+            line += " --skip_linear"
         if variant != "recipe":
             line += f" --variant {variant}"
         if extra:
@@ -366,6 +373,8 @@ def get_args_parser():
     p.add_argument("--steps", default=400, type=int, help="training steps of every row (a multiple of 50)")
     p.add_argument("--curve_every", default=100, type=int, help="keep and evaluate a checkpoint every N steps")
     p.add_argument("--curve_seeds", nargs="*", type=int, default=[0], help="seeds whose kept checkpoints are evaluated")
+    p.add_argument("--skip_linear", action="store_true",
+                   help="no linear probe (its column shows —): about a fifth of a row's CPU time")
     p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
     p.add_argument("--work_dir", default="runs/compare", help="output directories of the runs")

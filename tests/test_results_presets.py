@@ -159,7 +159,7 @@ def fake_comparison_records():
                         "linear_top1": 40.0 + shift, "correspondence": corr(2.0, 10.0)})
     records.append({"data": "fashion_mnist", "phase": "test", "variant": "recipe", "seed": 0, "steps": 400,
                     "row": "pixels", "knn_top1": 84.59})
-    records.append({**records[0], "phase": "val", "knn_top1": 1.0})
+    records.append({k: v for k, v in records[0].items() if k != "linear_top1"} | {"phase": "val", "knn_top1": 1.0})
     return records
 
 
@@ -172,12 +172,12 @@ def test_comparison_table_is_generated_from_the_log():
         "| vit_random | recipe | — | 2 | 50.0 ± 0.0 | — | 41.0 ± 1.0 | 2.0 ± 0.0 / 1.0 ± 0.0 | 10.0 ± 0.0 | — | — | — | — |",
         "| raw pixels | — | — | — | 84.6 | — | — | — | — | — | — | — | — |"]
     assert compare.comparison_table(records, "fashion_mnist", "val").splitlines()[2].startswith(
-        "| vit_dino | recipe | 400 | 1 | 1.0 ± 0.0 | — |")      # no random-init row logged in this phase
+        "| vit_dino | recipe | 400 | 1 | 1.0 ± 0.0 | — | — |")   # no random-init row in this phase; no linear probe
     assert compare.comparison_table(records, "shapes", "test") == "No test-phase run of the comparison on shapes is logged yet."
     blocks = compare.generated_blocks(records)
     assert blocks["commands"].splitlines()[1:3] == [
         "python tests/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels",
-        "python tests/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino"]
+        "python tests/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --skip_linear"]
     text = "a\n<!-- compare.py:fashion_mnist_test -->\nold\n<!-- /compare.py -->\n<!-- results.py:test -->\nkept\n<!-- /results.py -->\n"
     refreshed = results.refresh(text, blocks, tag="compare.py")
     assert refreshed == text.replace("old", blocks["fashion_mnist_test"])
