@@ -12,17 +12,24 @@ Pillow's ImageDraw for lines, dots and numbers; no plotting library):
     crops       what a training run sees: per image, the image and its 2 global and N local crops,
                 exactly as epoch 0 of a run with the same --seed and crop flags draws them (look at
                 them before tuning a recipe: is the object still there after crop, blur, solarize?)
+    curves      learning curves of tests/compare.py's runs: 20-NN top-1 and the `overlap` all-token
+                correspondence accuracy against training steps, one line per row (mean over the
+                seeds that evaluated their kept checkpoints); step 0 is the backbone's random init
 
     python extras/visualize.py attention --pretrained_weights runs/dino/checkpoint.pth --image photo.jpg --output attention.png
     python extras/visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth --dataset synthetic \
         --synthetic_image_size 64 --global_crop_size 64 --local_crop_size 32 --output matchings.png
     python extras/visualize.py crops --dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 \
         --local_crops_number 4 --indices 0 1 2 3 --output crops.png
+    python extras/visualize.py curves --log tests/compare_32px.jsonl --data fashion_mnist --phase test \
+        --output docs/comparison_curves.png
 
 The 60% threshold: per head, sort the patches by attention, keep the largest ones until their sum
 reaches 60% of the total (the patch that crosses the line is kept), as DINO's visualisation does.
 """
 import argparse
+import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -195,6 +202,89 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
 
 
 # ================================================================================================
+# Learning curves of the comparison (tests/compare.py's JSON lines)
+# ================================================================================================
+CURVES = (("knn_top1", "20-NN top-1 (%)"), ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
+
+
+def curve_series(records, data, phase, variant="recipe"):
+    """{row: [(step, {metric: mean over seeds}), ...]} of the trained rows of one comparison, over the
+    seeds that logged a curve: step 0 is the random-init record of the same backbone and seed, then the
+    kept checkpoints, then the final one."""
+    def point(step, record):
+        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
+
+    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant) and "backbone" in r]
+    random_init = {(r["backbone"], r["seed"]): r for r in chosen if r.get("random_init")}
+    series = {}
+    for r in chosen:
+        if "curve" not in r:
+            continue
+        start = random_init.get((r["backbone"], r["seed"]))
+        points = ([point(0, start)] if start else []) + [
+            (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
+        series.setdefault(r["row"], []).append(dict(points))
+    return {row: [(step, {k: statistics.mean(run[step][k] for run in runs if step in run) for k, _ in CURVES})
+                  for step in sorted({s for run in runs for s in run})]
+            for row, runs in series.items()}
+
+
+def curves_picture(series, title, panel=(420, 300), margin=(56, 30, 20, 40)):
+    """Two panels (the metrics of CURVES) with one coloured polyline per row and a legend below:
+    uint8 [3, H, W]. margin: left, top, right, bottom of each panel's plot area."""
+    rows = list(series)
+    left, top, right, bottom = margin
+    legend_height = 16 * ((len(rows) + 1) // 2) + 10
+    width, height = 2 * panel[0], panel[1] + legend_height + 20
+    picture = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(picture)
+    draw.text((8, 4), title, fill="black")
+    steps = sorted({s for points in series.values() for s, _ in points}) or [0, 1]
+    for p, (metric, label) in enumerate(CURVES):
+        x0, y0 = p * panel[0] + left, 20 + top
+        x1, y1 = (p + 1) * panel[0] - right, 20 + panel[1] - bottom
+        values = [v[metric] for points in series.values() for _, v in points] or [0.0, 1.0]
+        low, high = min(values), max(values)
+        pad = max(high - low, 1.0) * 0.08
+        low, high = low - pad, high + pad
+
+        def xy(step, value):
+            return (x0 + (x1 - x0) * (step - steps[0]) / max(steps[-1] - steps[0], 1),
+                    y1 - (y1 - y0) * (value - low) / (high - low))
+
+        draw.rectangle([x0, y0, x1, y1], outline="black")
+        draw.text((x0, y0 - 14), label, fill="black")
+        for k in range(5):                                  # value ticks
+            value = low + (high - low) * k / 4
+            y = xy(steps[0], value)[1]
+            draw.line([x0 - 4, y, x0, y], fill="black")
+            draw.text((x0 - 44, y - 6), f"{value:6.1f}", fill="black")
+        for step in steps:                                  # step ticks
+            x = xy(step, low)[0]
+            draw.line([x, y1, x, y1 + 4], fill="black")
+            draw.text((x - 10, y1 + 6), str(step), fill="black")
+        draw.text(((x0 + x1) / 2 - 30, y1 + 20), "training steps", fill="black")
+        for i, row in enumerate(rows):
+            points = [xy(s, v[metric]) for s, v in series[row]]
+            colour = PALETTE[i % len(PALETTE)]
+            if len(points) > 1:
+                draw.line(points, fill=colour, width=2)
+            for x, y in points:
+                draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
+    for i, row in enumerate(rows):                          # legend, two columns
+        x, y = 20 + (i % 2) * panel[0], 20 + panel[1] + 4 + 16 * (i // 2)
+        draw.line([x, y + 6, x + 24, y + 6], fill=PALETTE[i % len(PALETTE)], width=3)
+        draw.text((x + 30, y), row, fill="black")
+    return pil_to_tensor(picture)
+
+
+def read_json_lines(path):
+    if not Path(path).is_file():
+        common.die(f"--log {path} is not a file")
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ================================================================================================
 # The crops a training run sees
 # ================================================================================================
 def crops_picture(dataset, augment, seed, indices, size=96):
@@ -217,6 +307,13 @@ def get_args_parser():
     p = argparse.ArgumentParser("visualize.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     commands = p.add_subparsers(dest="picture", required=True)
+    c = commands.add_parser("curves", help="learning curves of tests/compare.py's runs",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("--log", default="tests/compare_32px.jsonl", help="tests/compare.py's JSON lines")
+    c.add_argument("--data", default="fashion_mnist", help="which comparison: its --data")
+    c.add_argument("--phase", default="test", choices=["val", "test"], help="which comparison: its --phase")
+    c.add_argument("--variant", default="recipe", help="which comparison: its --variant")
+    c.add_argument("--output", default="curves.png", type=str, help="PNG file to write")
     for name, help_text in (("attention", "per-head CLS attention of the last ViT block"),
                             ("matchings", "token matchings of one EsViT / GLSD training step"),
                             ("crops", "the global and local crops a training run sees")):
@@ -259,6 +356,12 @@ def load_image(args):
 
 
 def main(args):
+    if args.picture == "curves":
+        series = curve_series(read_json_lines(args.log), args.data, args.phase, args.variant)
+        if not series:
+            common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
+                       f"--variant {args.variant} (tests/compare.py logs one for each seed in --curve_seeds)")
+        return save(curves_picture(series, f"{args.data}, {args.phase} phase: mean over the seeds with a curve"), args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":

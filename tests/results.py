@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,22 +101,30 @@ def knn_top1(output):
     return float(match.group(1))
 
 
+def pixels_knn_top1(bank, queries):
+    """20-NN (T = 0.07, eval_knn.py's vote) on the l2-normalised raw grey pixels: `bank` and `queries`
+    are labelled datasets of PIL images of one size."""
+    sys.path.insert(0, str(ROOT))
+    import eval_knn
+
+    def features(dataset):
+        pairs = [dataset[i] for i in range(len(dataset))]
+        pixels = torch.stack([torch.tensor(np.asarray(image.convert("L")), dtype=torch.float32).flatten()
+                              for image, _ in pairs])
+        return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _, label in pairs])
+
+    (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
+    return eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels, k=20, T=0.07,
+                                   num_classes=len(bank.classes))[0]
+
+
 def pixels_top1(phase):
-    """20-NN (T = 0.07, eval_knn.py's vote) on the l2-normalised raw pixels of Fashion-MNIST."""
+    """The raw-pixel 20-NN of Fashion-MNIST: val, the last HOLDOUT train images against the others;
+    test, the test split against the train split."""
     sys.path.insert(0, str(ROOT))
     import common
-    import eval_knn
-    train = common.FashionMNIST(train=True)
-    if phase == "val":
-        bank = (train.images[:-HOLDOUT], train.targets[:-HOLDOUT])
-        queries = (train.images[-HOLDOUT:], train.targets[-HOLDOUT:])
-    else:
-        test = common.FashionMNIST(train=False)
-        bank, queries = (train.images, train.targets), (test.images, test.targets)
-    feats = [torch.nn.functional.normalize(torch.tensor(x.reshape(len(x), -1), dtype=torch.float32), dim=1)
-             for x, _ in (bank, queries)]
-    labels = [torch.as_tensor(y) for _, y in (bank, queries)]
-    return eval_knn.knn_classifier(feats[0], labels[0], feats[1], labels[1], k=20, T=0.07, num_classes=10)[0]
+    data = argparse.Namespace(dataset="fashion_mnist", data_path=None, holdout=HOLDOUT if phase == "val" else 0)
+    return pixels_knn_top1(common.build_dataset(data, train=True), common.build_dataset(data, train=False))
 
 
 def train_and_evaluate(name, variant, extra, phase, seed, work_dir):
@@ -272,15 +281,16 @@ def generated_blocks(records):
     return blocks
 
 
-def refresh(markdown, blocks):
-    """`markdown` with the body of every `<!-- results.py:NAME -->` ... `<!-- /results.py -->` block
-    replaced by blocks[NAME]."""
+def refresh(markdown, blocks, tag="results.py"):
+    """`markdown` with the body of every `<!-- TAG:NAME -->` ... `<!-- /TAG -->` block replaced by
+    blocks[NAME] (TAG: the script that generates the blocks)."""
     def replace(match):
         name = match.group(1)
         if name not in blocks:
-            sys.exit(f"error: docs/RESULTS.md has a block {name!r} that results.py does not generate")
-        return f"<!-- results.py:{name} -->\n{blocks[name]}\n<!-- /results.py -->"
-    return re.sub(r"<!-- results\.py:(\w+) -->\n.*?<!-- /results\.py -->", replace, markdown, flags=re.S)
+            sys.exit(f"error: the markdown has a block {name!r} that {tag} does not generate")
+        return f"<!-- {tag}:{name} -->\n{blocks[name]}\n<!-- /{tag} -->"
+    quoted = re.escape(tag)
+    return re.sub(rf"<!-- {quoted}:(\w+) -->\n.*?<!-- /{quoted} -->", replace, markdown, flags=re.S)
 
 
 def read_log(path):

@@ -1,13 +1,19 @@
-"""tests/results.py (docs/RESULTS.md's Fashion-MNIST tables) is not run by CI: its recipes take CPU-hours.
-Check here that every recipe still parses with its script's own arguments, and the table."""
+"""tests/results.py (docs/RESULTS.md's Fashion-MNIST tables) and tests/compare.py (docs/COMPARISON.md's
+controlled comparison) are not run by CI: their runs take CPU-hours. Check here that every recipe and
+comparison row still parses with its script's own arguments, the tables and the learning-curve picture."""
 import importlib
+import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras"))
+import compare  # noqa: E402
 import results  # noqa: E402
+import visualize  # noqa: E402
 
 
 @pytest.mark.parametrize("name", [n for n, (script, _) in results.RUNS.items() if script])
@@ -69,3 +75,165 @@ def test_refresh_replaces_only_the_generated_blocks():
         "intro\n<!-- results.py:val -->\nV\n<!-- /results.py -->\nmiddle\n<!-- results.py:test -->\nT\n<!-- /results.py -->\n"
     with pytest.raises(SystemExit, match="block 'other'"):
         results.refresh("<!-- results.py:other -->\n<!-- /results.py -->", {})
+
+
+# ------------------------------------------------------------------------------------------------
+# tests/compare.py: the controlled comparison
+# ------------------------------------------------------------------------------------------------
+def parse_row(row, data="fashion_mnist", phase="test", steps=400, curve_every=100):
+    _, script, _ = compare.METHOD_FLAGS[row]
+    parser = importlib.import_module(script[:-3]).get_args_parser()
+    flags = compare.training_flags(row, steps, curve_every) + compare.data_flags(data, phase, "runs/data")
+    return parser, parser.parse_args(flags)
+
+
+@pytest.mark.parametrize("data", list(compare.DATA))
+@pytest.mark.parametrize("row", list(compare.METHOD_FLAGS))
+def test_comparison_rows_parse_with_their_scripts(row, data):
+    _, args = parse_row(row, data)
+    assert (args.epochs * args.max_steps_per_epoch, args.saveckp_freq * compare.STEPS_PER_EPOCH) == (400, 100)
+    assert args.arch == {"vit": "vit_pico", "swin": "swin_pico3"}[compare.METHOD_FLAGS[row][0]]
+    assert args.dataset == {"fashion_mnist": "fashion_mnist", "shapes": "synthetic", "fashion_mnist_8k": "folder"}[data]
+
+
+@pytest.mark.parametrize("row", [r for r in compare.METHOD_FLAGS if not r.endswith("_dino")])
+def test_within_a_backbone_only_the_methods_own_arguments_differ_from_dino(row):
+    """Every argument that the row's script shares with dino.py parses to the DINO row's value."""
+    backbone, script, own = compare.METHOD_FLAGS[row]
+    _, args = parse_row(row, phase="val")
+    _, dino = parse_row(f"{backbone}_dino", phase="val")
+    shared = (set(vars(args)) & set(vars(dino))) - compare.OWN_ARGS[script] - {"output_dir"}
+    assert shared >= {"lr", "out_dim", "teacher_temp", "global_crops_scale", "norm_last_layer", "holdout", "epochs"}
+    assert {k: vars(args)[k] for k in shared} == {k: vars(dino)[k] for k in shared}
+    assert set(vars(args)) - set(vars(dino)) <= compare.OWN_ARGS[script]
+    assert {flag[2:] for flag in own.split()[::2]} <= compare.OWN_ARGS[script]
+
+
+def test_comparison_evaluation_flags_parse_with_their_scripts():
+    import eval_knn
+    import eval_linear
+    import eval_correspondence
+    import teacher_outputs
+    for data in compare.DATA:
+        flags = compare.data_flags(data, "test", "runs/data") + compare.EVAL.split()
+        assert eval_knn.get_args_parser().parse_args(flags + ["--nb_knn", "20"]).crop == 32
+        linear = eval_linear.get_args_parser().parse_args(flags + compare.LINEAR.split())
+        assert linear.val_freq == linear.epochs    # validated once, after the last epoch: no choice on the test split
+        assert teacher_outputs.get_args_parser().parse_args(flags + ["--pretrained_weights", "x"]).resize == 32
+        eval_correspondence.get_args_parser().parse_args(compare.data_flags(data, "test", "runs/data") + ["--crop_size", "32"])
+
+
+def test_comparison_budget_and_phase_errors():
+    compare.check_budget(400, 100)
+    for steps, every in ((410, 100), (400, 75), (400, 300), (0, 50)):
+        with pytest.raises(SystemExit, match="multiples of 50"):
+            compare.check_budget(steps, every)
+    assert compare.data_flags("fashion_mnist", "val", "d")[-2:] == ["--holdout", "10000"]
+    with pytest.raises(SystemExit, match="test phase only"):
+        compare.data_flags("shapes", "val", "d")
+
+
+def test_comparison_parses_the_evaluation_scripts_output():
+    import eval_correspondence
+    metrics = {"top10_accuracy": 12.5, "top10_distance": 1.25, "accuracy": 33.75, "chance_accuracy": 1.56,
+               "distance": 2.5, "pairs": 500}
+    text = "\n".join("[12:00:00] " + eval_correspondence.format_metrics(p, metrics) for p in ("esvit", "overlap"))
+    parsed = compare.parse_correspondence(text)
+    assert parsed["overlap"] == {k: v for k, v in metrics.items() if k != "pairs"} and set(parsed) == {"esvit", "overlap"}
+    collapse = compare.parse_collapse("dino teacher at temperature 0.04, 2000 images, K = 1024 (ln K = 6.93):\n"
+                                      "per-image entropy 6.10 | entropy of the mean target 6.80 | arg-max outputs 9 of 1024")
+    assert collapse == pytest.approx({"teacher_entropy": 6.10, "mean_target_entropy": 6.80, "ln_k": 6.931471805599453})
+
+
+def fake_comparison_records():
+    def corr(flip, overlap):
+        return {"esvit": {"top10_accuracy": flip, "accuracy": flip / 2}, "overlap": {"accuracy": overlap}}
+    records = []
+    for seed, shift in ((0, 0.0), (1, 2.0)):
+        base = {"data": "fashion_mnist", "phase": "test", "variant": "recipe", "seed": seed, "steps": 400}
+        records.append({**base, "row": "vit_dino", "backbone": "vit", "knn_top1": 60.0 + shift, "linear_top1": 70.0,
+                        "correspondence": corr(10.0 + shift, 20.0), "teacher_entropy": 3.0 + shift, "ln_k": 6.0,
+                        "mean_target_entropy": 6.0, "train_seconds": 600.0 + 60 * shift, "peak_memory_mb": 900 + seed,
+                        "curve": [{"step": 200, "knn_top1": 55.0 + shift, "overlap_accuracy": 15.0}]})
+        records.append({**base, "row": "vit_random", "backbone": "vit", "random_init": True, "knn_top1": 50.0,
+                        "linear_top1": 40.0 + shift, "correspondence": corr(2.0, 10.0)})
+    records.append({"data": "fashion_mnist", "phase": "test", "variant": "recipe", "seed": 0, "steps": 400,
+                    "row": "pixels", "knn_top1": 84.59})
+    records.append({k: v for k, v in records[0].items() if k != "linear_top1"} | {"phase": "val", "knn_top1": 1.0})
+    return records
+
+
+def test_comparison_table_is_generated_from_the_log():
+    records = fake_comparison_records()
+    lines = compare.comparison_table(records, "fashion_mnist", "test").splitlines()
+    assert lines[2:] == [
+        "| vit_dino | recipe | 400 | 2 | 61.0 ± 1.0 | 11.0 ± 1.0 | 70.0 ± 0.0 | 11.0 ± 1.0 / 5.5 ± 0.5 | 20.0 ± 0.0 "
+        "| 0.67 ± 0.17 | 1.00 ± 0.00 | 11.0 ± 1.0 | 901 |",
+        "| vit_random | recipe | — | 2 | 50.0 ± 0.0 | — | 41.0 ± 1.0 | 2.0 ± 0.0 / 1.0 ± 0.0 | 10.0 ± 0.0 | — | — | — | — |",
+        "| raw pixels | — | — | — | 84.6 | — | — | — | — | — | — | — | — |"]
+    assert compare.comparison_table(records, "fashion_mnist", "val").splitlines()[2].startswith(
+        "| vit_dino | recipe | 400 | 1 | 1.0 ± 0.0 | — | — |")   # no random-init row in this phase; no linear probe
+    assert compare.comparison_table(records, "shapes", "test") == "No test-phase run of the comparison on shapes is logged yet."
+    blocks = compare.generated_blocks(records)
+    assert blocks["commands"].splitlines()[1:3] == [
+        "python tests/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels",
+        "python tests/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --skip_linear"]
+    text = "a\n<!-- compare.py:fashion_mnist_test -->\nold\n<!-- /compare.py -->\n<!-- results.py:test -->\nkept\n<!-- /results.py -->\n"
+    refreshed = results.refresh(text, blocks, tag="compare.py")
+    assert refreshed == text.replace("old", blocks["fashion_mnist_test"])
+    assert results.refresh(refreshed, compare.generated_blocks(records), tag="compare.py") == refreshed
+
+
+def test_comparison_md_is_what_table_generates_from_the_log():
+    log = results.ROOT / "tests" / "compare_32px.jsonl"
+    records = results.read_log(log) if log.exists() else []
+    committed = compare.COMPARISON_MD.read_text()
+    assert "<!-- compare.py:fashion_mnist_test -->" in committed and "<!-- compare.py:commands -->" in committed
+    assert results.refresh(committed, compare.generated_blocks(records), tag="compare.py") == committed, \
+        "docs/COMPARISON.md is stale: run python tests/compare.py --table"
+
+
+def test_learning_curves_are_drawn_from_a_fake_log(tmp_path):
+    records = fake_comparison_records()
+    series = visualize.curve_series(records, "fashion_mnist", "test")
+    # step 0: the random-init rows; 200: the kept checkpoint; 400: the final one (means over seeds 0 and 1)
+    assert series == {"vit_dino": [(0, {"knn_top1": 50.0, "overlap_accuracy": 10.0}),
+                                   (200, {"knn_top1": 56.0, "overlap_accuracy": 15.0}),
+                                   (400, {"knn_top1": 61.0, "overlap_accuracy": 20.0})]}
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "curves.png"
+    parser = visualize.get_args_parser()
+    picture = visualize.main(parser.parse_args(["curves", "--log", str(log), "--output", str(out)]))
+    assert out.is_file() and picture.dtype == torch.uint8 and picture.shape[0] == 3
+    colour = torch.tensor(visualize.PALETTE[0], dtype=torch.uint8)[:, None, None]
+    assert ((picture == colour).all(dim=0)).sum() > 100        # the row's line and dots are drawn
+    with pytest.raises(SystemExit):
+        visualize.main(parser.parse_args(["curves", "--log", str(log), "--data", "shapes", "--output", str(out)]))
+
+
+def test_pixels_knn_on_a_separable_toy_set():
+    from PIL import Image
+
+    class Toy:
+        classes = ["left", "right"]     # which half of the image is bright
+
+        def __init__(self, n):
+            self.items = []
+            for i in range(n):
+                image = Image.new("RGB", (4, 4), (i, i, i))
+                image.paste((200, 200, 200), (0, 0, 2, 4) if i % 2 == 0 else (2, 0, 4, 4))
+                self.items.append((image, i % 2))
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            return self.items[i]
+
+    assert results.pixels_knn_top1(Toy(40), Toy(10)) == 100.0
+
+
+def test_comparison_pixel_row_reads_the_datasets_by_their_flags():
+    top1 = compare.pixels_knn(["--dataset", "synthetic", "--synthetic_images", "40", "--synthetic_image_size", "16"])
+    assert 0.0 <= top1 <= 100.0

@@ -1,0 +1,420 @@
+"""The controlled comparison of docs/COMPARISON.md: every self-supervised method at ONE shared budget
+(steps, batch, crops, lr schedule, teacher settings, seeds) on both small backbones, so that a row's
+difference from the DINO row of its backbone is what the method adds. Not collected by pytest.
+
+    python tests/compare.py --phase val --seeds 0 1                     # choose: the held-out 10000 train images
+    python tests/compare.py --phase test --seeds 0 1                    # report: once per final setting
+    python tests/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
+    python tests/compare.py --table                                     # refresh docs/COMPARISON.md from the log
+
+Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
+(geometric matching of the ViT's tokens). `swin_pico3 --fit_window true`: DINO's loss alone (dino.py
+with the Swin backbone: the pooled tokens through DINO's head), EsViT, GLSD geometric, GLSD similarity.
+Every row trains with SHARED + its backbone's flags + its method's own flags (METHOD_FLAGS) and
+nothing else; tests/test_results_presets.py checks that every shared argument parses to the same
+value in every script. Each backbone also has a row at random initialisation (the DINO row's
+checkpoint of the same seed evaluated with --random_init --seed), and raw pixels have a k-NN row.
+
+Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
+each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
+cosine, constant teacher temperature 0.04, K = 1024 for every head. A checkpoint every --curve_every
+steps is kept for the learning curve.
+
+Columns, per row and seed (one JSON line each in --log, with every command that produced it):
+  knn_top1        eval_knn.py, 20-NN, T = 0.07, 32 px; bank: the train split (val: the other 50000)
+  linear_top1     eval_linear.py, LINEAR flags (a short probe: cheap on a CPU, not the paper's 100 epochs)
+  correspondence  extras/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images: `esvit`
+                  (a view and its flip) and `overlap` (two overlapping crops), top-10 and all-token accuracy
+  collapse        extras/teacher_outputs.py on 2000 images: per-image teacher entropy h and entropy of
+                  the mean target h_bar, both over ln K (h/ln K -> 1: uniform collapse; h_bar/ln K -> 0:
+                  one output wins)
+  train time, peak memory   of training alone (log.txt)
+  curve           20-NN and `overlap` all-token accuracy of the kept checkpoints (seeds in --curve_seeds)
+
+Data (--data). fashion_mnist: 60000 train / 10000 test (val: --holdout 10000). shapes: the project's
+synthetic shapes (`--dataset synthetic`) at 28 px, 8000 train / 2000 test, the shape as label.
+fashion_mnist_8k: an ImageFolder that this script writes from Fashion-MNIST's 10000 *test* images
+(8000 train / 2000 val), images that no Fashion-MNIST run trains on, at a small dataset's size. The
+second datasets only check that settings chosen on Fashion-MNIST's validation split transfer, so
+they run the test phase only.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402  (tests/results.py: running a command, k-NN parsing, generated blocks)
+
+ROOT = results.ROOT
+COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
+TAG = "compare.py"
+
+STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch 128
+# Shared by every row: crops, heads (K = 1024: the region heads of EsViT and GLSD see every token),
+# optimisation, teacher. Set explicitly even where a script's default agrees, because the scripts'
+# defaults differ (crop scales, teacher temperature warm-up, last-layer normalisation).
+SHARED = ("--global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
+          "--global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
+          "--out_dim 1024 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
+          "--batch_size_per_gpu 128 --lr 0.004 --min_lr 1e-6 --weight_decay 0.04 --weight_decay_end 0.04 "
+          "--clip_grad 3.0 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
+          "--warmup_teacher_temp 0.04 --teacher_temp 0.04 --warmup_teacher_temp_epochs 0 --num_workers 1")
+BACKBONES = {"vit": "--arch vit_pico --patch_size 4", "swin": "--arch swin_pico3 --fit_window true"}
+# row: (backbone, script, the method's own flags)
+METHOD_FLAGS = {
+    "vit_dino": ("vit", "dino.py", ""),
+    "vit_selfpatch": ("vit", "selfpatch.py", "--patch_out_dim 1024"),     # K_p = K
+    "vit_esvit": ("vit", "esvit.py", "--use_region_loss true"),
+    "vit_glsd": ("vit", "glsd.py", "--local_matching geometric"),
+    "swin_dino": ("swin", "dino.py", ""),
+    "swin_esvit": ("swin", "esvit.py", "--use_region_loss true"),
+    "swin_glsd_geometric": ("swin", "glsd.py", "--local_matching geometric"),
+    "swin_glsd_similarity": ("swin", "glsd.py", "--local_matching similarity"),
+}
+RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino"}   # evaluated on this row's checkpoint
+ROWS = [*METHOD_FLAGS, *RANDOM_ROWS, "pixels"]
+# the arguments that belong to a method (allowed to differ from its backbone's DINO row)
+OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops", "patch_loss_weight",
+                             "patch_teacher_temp"},
+            "esvit.py": {"use_region_loss", "init_from"},
+            "glsd.py": {"local_matching", "match_threshold"}}
+
+DATA = {   # name: (dataset flags, held-out images for the val phase or None)
+    "fashion_mnist": ("--dataset fashion_mnist", 10000),
+    "shapes": ("--dataset synthetic --synthetic_images 8000 --synthetic_image_size 28", None),
+    "fashion_mnist_8k": ("--dataset folder --data_path {data_dir}/fashion_mnist_8k", None),
+}
+EVAL = "--resize 32 --crop 32 --num_workers 1"
+# A short probe at the authors' lr (0.001 per 256 images). Not yet informative: on a vit_pico teacher
+# whose 20-NN is 51.5%, two epochs gave 16.6% (lr 0.001), 17.8% (0.01) and 20.4% (0.1, train loss 5.5):
+# the LayerNorm features (squared norm about 256, most of it shared by every image) need many more steps.
+LINEAR = "--epochs 2 --val_freq 2 --lr 0.001 --batch_size_per_gpu 256"
+CORRESPONDENCE_IMAGES = 500
+
+
+def training_flags(row, steps, curve_every):
+    backbone, _, own = METHOD_FLAGS[row]
+    epochs = steps // STEPS_PER_EPOCH
+    budget = (f"--epochs {epochs} --max_steps_per_epoch {STEPS_PER_EPOCH} --warmup_epochs {epochs / 2:g} "
+              f"--saveckp_freq {curve_every // STEPS_PER_EPOCH}")
+    return f"{SHARED} {BACKBONES[backbone]} {budget} {own}".split()
+
+
+def check_budget(steps, curve_every):
+    if steps <= 0 or steps % STEPS_PER_EPOCH or curve_every <= 0 or curve_every % STEPS_PER_EPOCH \
+            or steps % curve_every:
+        sys.exit(f"error: --steps {steps} and --curve_every {curve_every} must be positive multiples of "
+                 f"{STEPS_PER_EPOCH} (the steps of one epoch), --curve_every dividing --steps")
+
+
+def data_flags(data, phase, data_dir):
+    flags, holdout = DATA[data]
+    if phase == "val" and holdout is None:
+        sys.exit(f"error: --data {data} runs the test phase only (settings are chosen on fashion_mnist's val phase)")
+    return flags.format(data_dir=data_dir).split() + (["--holdout", str(holdout)] if phase == "val" else [])
+
+
+def write_fashion_mnist_8k(data_dir):
+    """Fashion-MNIST's 10000 test images as an ImageFolder: the first 8000 in train/, the last 2000 in
+    val/, one PNG each under its class name. Kept if it is already complete."""
+    root = Path(data_dir) / "fashion_mnist_8k"
+    if root.is_dir() and len(list(root.glob("*/*/*.png"))) == 10000:
+        return root
+    sys.path.insert(0, str(ROOT))
+    import common
+    test = common.FashionMNIST(train=False)
+    for i in range(len(test)):
+        image, label = test[i]
+        folder = root / ("train" if i < 8000 else "val") / re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
+        folder.mkdir(parents=True, exist_ok=True)
+        image.convert("L").save(folder / f"{i:05d}.png")
+    return root
+
+
+def parse_correspondence(output):
+    """{protocol: {top10_accuracy, accuracy, ...}} from extras/eval_correspondence.py's log lines."""
+    metrics = {}
+    for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all tokens: accuracy "
+                         r"([0-9.]+)% \(chance ([0-9.]+)%\), distance ([0-9.]+) cells", output):
+        metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy", "chance_accuracy",
+                                        "distance"], map(float, m.groups()[1:])))
+    if not metrics:
+        sys.exit("error: no correspondence metrics in extras/eval_correspondence.py's output")
+    return metrics
+
+
+def parse_collapse(output):
+    k = re.search(r"K = (\d+) \(ln K", output)
+    h = re.search(r"per-image entropy ([0-9.]+) \| entropy of the mean target ([0-9.]+)", output)
+    if not (k and h):
+        sys.exit("error: no entropies in extras/teacher_outputs.py's output")
+    return {"teacher_entropy": float(h.group(1)), "mean_target_entropy": float(h.group(2)),
+            "ln_k": math.log(int(k.group(1)))}
+
+
+def children_cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)   # finished children and their waited-for children
+    return usage.ru_utime + usage.ru_stime
+
+
+class Evaluator:
+    """Runs the commands of one row, records them, and adds up their wall and CPU seconds by kind
+    (CPU seconds count the cores a command kept busy, its loader workers included: on a shared
+    machine they say what a row costs better than wall time)."""
+
+    def __init__(self, data, out, seed):
+        self.data, self.out, self.seed, self.commands = data, Path(out), seed, []
+        self.wall_seconds, self.cpu_seconds = {}, {}
+
+    def call(self, args, log_name):
+        kind = log_name.split(".")[0].split("_")[0]
+        self.commands.append(" ".join(["python", *args]))
+        start, cpu = time.time(), children_cpu_seconds()
+        output = results.run([sys.executable, *args], self.out / log_name)
+        for total, value in ((self.wall_seconds, time.time() - start), (self.cpu_seconds, children_cpu_seconds() - cpu)):
+            total[kind] = round(total.get(kind, 0.0) + value, 1)
+        return output
+
+    def knn(self, weights, random_init=False, name="knn"):
+        baseline = ["--random_init", "--seed", str(self.seed)] if random_init else []
+        return results.knn_top1(self.call(["eval_knn.py", *self.data, *EVAL.split(), "--nb_knn", "20",
+                                           "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
+
+    def linear(self, weights, random_init=False):
+        out = self.out / "linear"
+        baseline = ["--random_init"] if random_init else []
+        self.call(["eval_linear.py", *self.data, *EVAL.split(), *LINEAR.split(), "--seed", str(self.seed),
+                   "--pretrained_weights", str(weights), *baseline, "--output_dir", str(out)], "linear.txt")
+        # the last epoch's top-1, not eval_linear's best over the validated epochs (it also validates
+        # epoch 0): nothing is chosen on the evaluation split
+        return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()][-1]["val_top1"]
+
+    def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"), name="correspondence"):
+        baseline = ["--random_init"] if random_init else []
+        return parse_correspondence(self.call(
+            ["extras/eval_correspondence.py", *self.data, "--crop_size", "32", "--max_images",
+             str(CORRESPONDENCE_IMAGES), "--num_workers", "0", "--seed", str(self.seed), "--protocols", *protocols,
+             "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
+
+    def collapse(self, weights):
+        return parse_collapse(self.call(["extras/teacher_outputs.py", *self.data, *EVAL.split(), "--max_images", "2000",
+                                         "--pretrained_weights", str(weights)], "teacher_outputs.txt"))
+
+
+def run_row(row, args, seed):
+    """Train (unless a random-init or pixel row) and evaluate one row for one seed: its JSON record."""
+    record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
+              "steps": args.steps}
+    data = data_flags(args.data, args.phase, args.data_dir)
+    if row == "pixels":   # deterministic: the seed changes nothing
+        return {**record, "knn_top1": pixels_knn(data)}
+    work = Path(args.work_dir) / args.data
+    out = work / f"{row}_{args.variant}_{args.phase}_seed{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "checkpoint.pth").exists() or (out / "linear").exists():
+        sys.exit(f"error: {out} holds an earlier run of this row: move it away, or log a --variant")
+    evaluate = Evaluator(data, out, seed)
+    record["backbone"] = METHOD_FLAGS[RANDOM_ROWS.get(row, row)][0]
+    if row in RANDOM_ROWS:
+        record["random_init"] = True
+        weights = work / f"{RANDOM_ROWS[row]}_{args.variant}_{args.phase}_seed{seed}" / "checkpoint.pth"
+        if not weights.is_file():
+            sys.exit(f"error: {row} is evaluated on {RANDOM_ROWS[row]}'s checkpoint of seed {seed}, which is "
+                     f"missing ({weights}): run that row first")
+        record.update(knn_top1=evaluate.knn(weights, random_init=True),
+                      correspondence=evaluate.correspondence(weights, random_init=True))
+        if not args.skip_linear:
+            record["linear_top1"] = evaluate.linear(weights, random_init=True)
+        return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
+                "cpu_seconds": evaluate.cpu_seconds}
+    _, script, _ = METHOD_FLAGS[row]
+    train = [script, *training_flags(row, args.steps, args.curve_every), *data, *args.extra.split(),
+             "--seed", str(seed), "--output_dir", str(out)]
+    evaluate.call(train, "train.txt")
+    record["train_seconds"] = evaluate.wall_seconds["train"]
+    epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+    record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
+    record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
+    weights = out / "checkpoint.pth"
+    record.update(knn_top1=evaluate.knn(weights), correspondence=evaluate.correspondence(weights),
+                  **evaluate.collapse(weights))
+    if not args.skip_linear:
+        record["linear_top1"] = evaluate.linear(weights)
+    if seed in args.curve_seeds:
+        record["curve"] = []
+        for epoch in range(args.curve_every // STEPS_PER_EPOCH, args.steps // STEPS_PER_EPOCH,
+                           args.curve_every // STEPS_PER_EPOCH):
+            kept = out / f"checkpoint{epoch:04d}.pth"
+            record["curve"].append({"step": epoch * STEPS_PER_EPOCH,
+                                    "knn_top1": evaluate.knn(kept, name=f"curve_knn_{epoch:04d}"),
+                                    "overlap_accuracy": evaluate.correspondence(
+                                        kept, protocols=("overlap",), name=f"curve_correspondence_{epoch:04d}")
+                                    ["overlap"]["accuracy"]})
+    return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
+            "cpu_seconds": evaluate.cpu_seconds}
+
+
+def pixels_knn(data):
+    """20-NN of the l2-normalised raw grey pixels (eval_knn.py's vote), on the splits of the rows."""
+    sys.path.insert(0, str(ROOT))
+    import common
+    parser = argparse.ArgumentParser()
+    common.add_data_args(parser)
+    data_args = parser.parse_args(data)
+    return results.pixels_knn_top1(common.build_dataset(data_args, train=True),
+                                   common.build_dataset(data_args, train=False))
+
+
+# ------------------------------------------------------------------------------------------------
+# docs/COMPARISON.md: generated blocks
+# ------------------------------------------------------------------------------------------------
+def half_range(values):
+    return (max(values) - min(values)) / 2
+
+
+def cell(values, digits=1):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    return f"{statistics.mean(values):.{digits}f} ± {half_range(values):.{digits}f}"
+
+
+def comparison_table(records, data, phase):
+    """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
+    the variants and ROWS' order within one; the gain is the 20-NN top-1 minus that of the random-init
+    row of the same backbone and seed (any variant: the initialisation depends on the seed only),
+    seed by seed."""
+    lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | gain over random init | linear top-1 (%) | "
+             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln K | "
+             "train time (min) | peak memory (MB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    chosen = [r for r in records if r["data"] == data and r["phase"] == phase]
+    random_init = {}
+    for r in chosen:
+        if r.get("random_init"):
+            random_init.setdefault((r["backbone"], r["seed"]), r["knn_top1"])
+    groups = {}
+    for r in chosen:
+        groups.setdefault(r["variant"], {}).setdefault(r["row"], []).append(r)
+    for variant, by_row in groups.items():
+        for row in ROWS:
+            rs = by_row.get(row)
+            if not rs:
+                continue
+            if row == "pixels":
+                lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} | — | — | — | — | — | — | — | — |")
+                continue
+            steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
+            gains = [r["knn_top1"] - random_init[(r["backbone"], r["seed"])] for r in rs
+                     if (r["backbone"], r["seed"]) in random_init]
+            gain = cell(gains) if row not in RANDOM_ROWS and len(gains) == len(rs) else "—"
+            corr = [r["correspondence"] for r in rs]
+            flip = f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / {cell([c['esvit']['accuracy'] for c in corr])}"
+            overlap = cell([c["overlap"]["accuracy"] for c in corr])
+            entropy = [cell([r[k] / r["ln_k"] for r in rs], 2) if all(k in r for r in rs) else "—"
+                       for k in ("teacher_entropy", "mean_target_entropy")]
+            minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
+            memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
+            lines.append(f"| {row} | {variant} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | {gain} | "
+                         f"{cell([r.get('linear_top1') for r in rs])} | {flip} | {overlap} | {entropy[0]} | {entropy[1]} | "
+                         f"{minutes} | {memory} |")
+    if len(lines) == 2:
+        return f"No {phase}-phase run of the comparison on {data} is logged yet."
+    return "\n".join(lines)
+
+
+def reproducing_commands(records):
+    """One `python tests/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
+    groups = {}
+    for r in records:
+        skip_linear = r["row"] != "pixels" and "linear_top1" not in r
+        key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
+        rows, seeds = groups.setdefault(key, ([], set()))
+        if r["row"] not in rows:
+            rows.append(r["row"])
+        seeds.add(r["seed"])
+    lines = []
+    for (data, phase, variant, steps, extra, skip_linear), (rows, seeds) in groups.items():
+        line = (f"python tests/compare.py --data {data} --phase {phase} --steps {steps} "
+                f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
+        if skip_linear:
+            line += " --skip_linear"
+        if variant != "recipe":
+            line += f" --variant {variant}"
+        if extra:
+            line += f' --extra "{extra}"'
+        lines.append(line)
+    return lines
+
+
+def generated_blocks(records):
+    blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
+              for phase in ("test", "val") if phase == "test" or holdout}
+    commands = reproducing_commands(records)
+    blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
+    return blocks
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser("compare.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="fashion_mnist", choices=list(DATA), help="the dataset of the comparison")
+    p.add_argument("--phase", default="val", choices=["val", "test"],
+                   help="val: train without the held-out images and evaluate on them; test: the reported numbers")
+    p.add_argument("--rows", nargs="+", default=None, choices=ROWS,
+                   help="rows to run, in this order (default: all, unless --table alone; a random-init row needs its "
+                        "backbone's DINO row of the same seed)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--steps", default=400, type=int, help="training steps of every row (a multiple of 50)")
+    p.add_argument("--curve_every", default=100, type=int, help="keep and evaluate a checkpoint every N steps")
+    p.add_argument("--curve_seeds", nargs="*", type=int, default=[0], help="seeds whose kept checkpoints are evaluated")
+    p.add_argument("--skip_linear", action="store_true",
+                   help="no linear probe (its column shows —): about a fifth of a row's CPU time")
+    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
+    p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
+    p.add_argument("--work_dir", default="runs/compare", help="output directories of the runs")
+    p.add_argument("--data_dir", default="runs/data", help="where the built datasets (fashion_mnist_8k) are written")
+    p.add_argument("--log", default=str(ROOT / "tests" / "compare_32px.jsonl"),
+                   help="one JSON line per (data, row, variant, phase, seed) is appended here")
+    p.add_argument("--table", action="store_true", help="rewrite the generated blocks of docs/COMPARISON.md from --log")
+    return p
+
+
+def main():
+    args = get_args_parser().parse_args()
+    if args.extra and args.variant == "recipe":
+        sys.exit("error: name a variant (--variant NAME) for --extra flags")
+    check_budget(args.steps, args.curve_every)
+    os.chdir(ROOT)                     # the scripts run from the repository root; relative paths are from there
+    rows = args.rows if args.rows is not None else [] if args.table else ROWS
+    if args.data == "fashion_mnist_8k" and rows:
+        write_fashion_mnist_8k(args.data_dir)
+    logged = results.read_log(args.log) if Path(args.log).exists() else []
+    for row in rows:
+        # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0
+        pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)
+        for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
+            record = run_row(row, args, seed)
+            if args.extra:
+                record["extra"] = args.extra
+            with open(args.log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN {record['knn_top1']:.2f}%"
+                  + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")
+                  + (f", {record['train_seconds'] / 60:.1f} min training" if "train_seconds" in record else ""),
+                  flush=True)
+    if args.table:
+        markdown = COMPARISON_MD.read_text()
+        records = results.read_log(args.log) if Path(args.log).exists() else []
+        refreshed = results.refresh(markdown, generated_blocks(records), tag=TAG)
+        COMPARISON_MD.write_text(refreshed)
+        print(f"{COMPARISON_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
+
+
+if __name__ == "__main__":
+    main()
