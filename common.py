@@ -39,6 +39,7 @@ from PIL import Image, ImageFilter
 from timm.layers import Mlp
 from timm.models.cait import ClassAttn
 from timm.models.swin_transformer import SwinTransformer
+from timm.layers import Attention as TimmAttention
 from timm.models.vision_transformer import VisionTransformer
 from torchvision import datasets as tv_datasets
 from torchvision import transforms
@@ -71,6 +72,23 @@ ARCHS = {
     "swin_small": dict(family="swin", embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
     "swin_base": dict(family="swin", embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
 }
+
+
+class Attention(TimmAttention):
+    """timm's attention, computed as softmax(q k^T / sqrt(d)) v explicitly (timm's unfused path)
+    on a CPU under bf16 autocast: there the fused kernel's backward runs 4-15x slower than the
+    explicit matmuls at small head dimensions (torch 2.14, Xeon with AMX; tests/bench.py
+    --recipe quickstart measures the step). Elsewhere, and wherever `fused_attn` is set False, as
+    timm decides."""
+
+    @property
+    def fused_attn(self):
+        return self._fused_attn and not (torch.is_autocast_enabled("cpu")
+                                         and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+    @fused_attn.setter
+    def fused_attn(self, value):
+        self._fused_attn = value
 
 
 class ViT(VisionTransformer):
@@ -158,7 +176,7 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
                        norm_layer=norm_layer, num_classes=0, dynamic_img_size=True,
                        drop_path_rate=drop_path_rate, class_token=class_token,
                        global_pool="token" if class_token else "avg", final_norm=final_norm,
-                       fc_norm=False, **cfg)  # keep the final norm in `norm` (timm moves it to fc_norm for "avg")
+                       fc_norm=False, attn_layer=Attention, **cfg)  # keep the final norm in `norm` (timm moves it to fc_norm for "avg")
     else:
         if not class_token or not final_norm:
             die("a Swin backbone has no CLS token to remove and always ends in a LayerNorm")
@@ -497,29 +515,29 @@ def shift_hue(x, shift):
     return torch.where(grey[:, None], x, out)
 
 
+def adjust_color(x, op, factor):
+    """torchvision's brightness (op 0), contrast (1), saturation (2) or hue (3) adjustment of PIL
+    images; factor: [N, 1, 1, 1]."""
+    if op == 0:
+        return blend(torch.zeros_like(x), x, factor)
+    if op == 1:
+        return blend(torch.floor(luma(x).mean((1, 2, 3), keepdim=True) + 0.5), x, factor)
+    if op == 2:
+        return blend(luma(x), x, factor)
+    return shift_hue(x, factor.view(-1, 1, 1))
+
+
 def color_jitter(x, jitters):
     """torchvision's ColorJitter on PIL images, per sample: brightness, contrast, saturation, hue
     in that sample's order with its factors; None leaves a sample as it is."""
-    n = len(x)
     apply = torch.tensor([j is not None for j in jitters])
     order = torch.tensor([j[0] if j is not None else [0, 1, 2, 3] for j in jitters])          # [N, 4]
     factors = torch.tensor([j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters])  # [N, 4]
     for position in range(4):
         for op in range(4):
             chosen = apply & (order[:, position] == op)
-            if not chosen.any():
-                continue
-            xs, f = x[chosen], factors[chosen, op].view(-1, 1, 1, 1)
-            if op == 0:
-                xs = blend(torch.zeros_like(xs), xs, f)
-            elif op == 1:
-                mean = torch.floor(luma(xs).mean((1, 2, 3), keepdim=True) + 0.5)
-                xs = blend(mean, xs, f)
-            elif op == 2:
-                xs = blend(luma(xs), xs, f)
-            else:
-                xs = shift_hue(xs, f.view(-1, 1, 1))
-            x[chosen] = xs
+            if chosen.any():
+                x[chosen] = adjust_color(x[chosen], op, factors[chosen, op].view(-1, 1, 1, 1))
     return x
 
 
