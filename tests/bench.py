@@ -930,6 +930,29 @@ def recipe_flops_and_ops(run, crops):
     return flops, sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
+def attention_kernels(reps):
+    """Median ms of forward + backward of vit_pico's attention on the quick start's two crop sizes
+    (batch 128: 256 global crops of 65 tokens, 512 local crops of 17 tokens; 2 heads of 32 dims), by
+    kernel: the fused one (what F.scaled_dot_product_attention picks on CPU) in fp32 and bf16, and
+    the explicit softmax(q k^T) v that `common.Attention` takes under CPU bf16 autocast."""
+    def fused(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def explicit(q, k, v):
+        return ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+    rows = {}
+    for name, kernel, dtype in (("fused, fp32", fused, torch.float32), ("fused, bf16", fused, torch.bfloat16),
+                                ("explicit, bf16", explicit, torch.bfloat16)):
+        inputs = [[torch.randn(batch, 2, tokens, 32, dtype=dtype, requires_grad=True) for _ in range(3)]
+                  for batch, tokens in ((256, 65), (512, 17))]
+
+        def step(kernel=kernel, inputs=inputs):
+            for qkv in inputs:
+                torch.autograd.grad(kernel(*qkv).float().sum(), qkv)
+        rows[name] = statistics.median(timed(step, reps, torch.device("cpu"), warmup=1)) * 1e3
+    return rows
+
+
 def bench_recipe(args):
     peaks = measure_peaks(torch.device("cpu"), argparse.Namespace(precisions=["fp32", "bf16"],
                                                                    peak_seconds=args.peak_seconds))
@@ -974,6 +997,10 @@ def bench_recipe(args):
         print("| aten operators / forward-backward | " + " | ".join(str(profiled[n][2]) for n in names) + " |")
         for name in names:
             results[name]["parts"], results[name]["flops"] = profiled[name][0], profiled[name][1]
+    kernels = attention_kernels(args.steps)
+    print("\nattention forward + backward per step, one block (vit_pico, the quick start's crops): "
+          + ", ".join(f"{name} {ms:.1f} ms" for name, ms in kernels.items()))
+    results["attention_ms"] = kernels
     print("\ndense matmul peak (measured before the runs): "
           + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items()))
     return results
