@@ -650,8 +650,16 @@ class SeededDataset(torch.utils.data.Dataset):
             die(f"--batched_crops needs images of one size; this batch has sizes "
                 f"{sorted({tuple(p.shape[1:]) for p in pixels})}: drop the flag")
         seeds = [sample_seed(self.seed, epoch, index) for index, epoch in pairs]
-        with torch.random.fork_rng(devices=[], enabled=torch.utils.data.get_worker_info() is None):
-            crops, geometry = self.transform.batch(torch.stack(pixels), seeds)
+        in_main_process = torch.utils.data.get_worker_info() is None
+        threads = torch.get_num_threads()
+        # Thousands of small operations: one thread (a loader worker has one already). Several only
+        # add synchronisation, which on a CPU shared with other processes made a batch 4x slower.
+        torch.set_num_threads(1)
+        try:
+            with torch.random.fork_rng(devices=[], enabled=in_main_process):
+                crops, geometry = self.transform.batch(torch.stack(pixels), seeds)
+        finally:
+            torch.set_num_threads(threads)
         return (crops, geometry), torch.tensor(labels)
 
     def seeded_transform(self, image, seed):
