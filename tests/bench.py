@@ -53,7 +53,8 @@ Commands:
 batch 128, 2 x 32 + 4 x 16 px crops of Fashion-MNIST), run by dino.train_one_epoch itself on a real
 loader, in several configurations side by side in one process, interleaved (rounds of --recipe_steps
 steps each, the first step of every round not counted), so that a shared machine's load hits all
-alike: img/s = batch / median step time (data wait included). Then the profile of one step of each
+alike: img/s = batch / median step time (data wait included); CPU s/step = the CPU time a step
+costs this process and its loader workers (robust to other load, which wall time is not). Then the profile of one step of each
 configuration (each part timed on its own: building the batch's crops in this process, teacher
 forward, student forward, loss, backward, clipping, AdamW, EMA, per-step bookkeeping), its FLOPs and
 its share of the dense-matmul peak, and the number of operators a step dispatches.
@@ -64,6 +65,7 @@ import ctypes
 import gc
 import io
 import math
+import os
 import platform
 import random
 import statistics
@@ -816,21 +818,40 @@ RECIPE_CONFIGS = {
 }
 
 
+def cpu_seconds(pids):
+    """CPU time (user + system) so far of this process and of the processes `pids` (Linux /proc)."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 class StepClock:
-    """Iterates over a loader and records when each batch is handed out: the gaps are the steps
-    (training on a batch plus waiting for the next one)."""
+    """Iterates over a loader and records when each batch is handed out, in wall time and in CPU
+    time of this process and its loader workers: the gaps are the steps (training on a batch plus
+    waiting for the next one). CPU time is the work a step costs, whatever else the machine runs."""
 
     def __init__(self, loader):
-        self.loader, self.times = loader, []
+        self.loader, self.times, self.cpu = loader, [], []
 
     def __len__(self):
         return len(self.loader)
 
-    def __iter__(self):
-        for batch in self.loader:
-            self.times.append(time.perf_counter())
-            yield batch
+    def _tick(self, iterator):
+        workers = [w.pid for w in getattr(iterator, "_workers", [])]
         self.times.append(time.perf_counter())
+        self.cpu.append(cpu_seconds(workers))
+
+    def __iter__(self):
+        iterator = iter(self.loader)
+        for batch in iterator:
+            self._tick(iterator)
+            yield batch
+        self._tick(iterator)
 
 
 class RecipeRun:
@@ -860,7 +881,7 @@ class RecipeRun:
             "lr": common.cosine_scheduler(a.lr * a.batch_size_per_gpu / 256, a.min_lr, a.epochs, n, a.warmup_epochs),
             "wd": common.cosine_scheduler(a.weight_decay, a.weight_decay_end, a.epochs, n),
             "momentum": common.cosine_scheduler(a.momentum_teacher, 1, a.epochs, n)}
-        self.step_times, self.losses = [], []
+        self.step_times, self.step_cpu, self.losses = [], [], []
 
     def train_round(self, epoch):
         self.sampler.set_epoch(epoch)
@@ -868,6 +889,7 @@ class RecipeRun:
         record = dino.train_one_epoch(self.student, self.teacher, self.criterion, clock, self.optimizer, self.scaler,
                                       self.schedules, epoch, 0, self.a, self.device)
         self.step_times += list(np.diff(clock.times))[1:]        # the first step waits for a cold loader
+        self.step_cpu += list(np.diff(clock.cpu))[1:]
         self.losses.append(record["loss"])
 
     def batch(self):
@@ -967,13 +989,18 @@ def bench_recipe(args):
             for run in runs.values():
                 run.train_round(epoch)
         base = statistics.median(next(iter(runs.values())).step_times)
-        print("\n| configuration | s/step (median) | min | max | img/s | vs the first | loss of the last round |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        base_cpu = statistics.median(next(iter(runs.values())).step_cpu)
+        print(f"load average (1 min) after the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print("\n| configuration | s/step (median) | min | max | img/s | vs the first | CPU s/step (median) "
+              "| vs the first | loss of the last round |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, run in runs.items():
-            median = statistics.median(run.step_times)
-            results[name] = dict(median=median, images_per_s=run.a.batch_size_per_gpu / median, loss=run.losses[-1])
+            median, cpu = statistics.median(run.step_times), statistics.median(run.step_cpu)
+            results[name] = dict(median=median, images_per_s=run.a.batch_size_per_gpu / median, cpu=cpu,
+                                 loss=run.losses[-1])
             print(f"| {name} | {median:.3f} | {min(run.step_times):.3f} | {max(run.step_times):.3f} | "
-                  f"{run.a.batch_size_per_gpu / median:.0f} | {base / median:.2f}x | {run.losses[-1]:.4f} |")
+                  f"{run.a.batch_size_per_gpu / median:.0f} | {base / median:.2f}x | {cpu:.3f} | {base_cpu / cpu:.2f}x | "
+                  f"{run.losses[-1]:.4f} |")
         print("\nProfile of one step (each part timed alone in this process, median of "
               f"{args.steps}); FLOPs: forward + backward; MFU: GFLOP/s of the model part (forward, loss, "
               "backward) / the dense matmul peak of its precision")
