@@ -427,24 +427,48 @@ class MultiCropAugmentation:
     @staticmethod
     def draw_crop(height, width, scale, photometric):
         """One crop's parameters, drawn as `crop_and_flip` and the `photometric` pipeline draw them."""
-        top, left, h, w = transforms.RandomResizedCrop.get_params(torch.empty(0, height, width), list(scale),
-                                                                  [3 / 4, 4 / 3])
+        top, left, h, w = random_resized_crop_box(height, width, scale)
         crop = dict(box=[top, left, h, w], flip=bool(torch.rand(1).item() < 0.5), jitter=None, gray=False,
                     blur=None, solarize=False)
         for t in photometric.transforms:
             if isinstance(t, transforms.RandomApply):                         # the colour jitter
-                if not t.p < torch.rand(1):
+                if not t.p < torch.rand(1).item():
                     j = t.transforms[0]
                     order, *factors = j.get_params(j.brightness, j.contrast, j.saturation, j.hue)
                     crop["jitter"] = (order.tolist(), factors)
             elif isinstance(t, transforms.RandomGrayscale):
-                crop["gray"] = bool(torch.rand(1) < t.p)
+                crop["gray"] = torch.rand(1).item() < t.p
             elif isinstance(t, RandomGaussianBlur):
                 crop["blur"] = t.draw()
             elif isinstance(t, transforms.RandomSolarize):
                 assert t.threshold == 128, t.threshold
                 crop["solarize"] = torch.rand(1).item() < t.p
         return crop
+
+
+LOG_RATIO = [float(r) for r in torch.log(torch.tensor([3 / 4, 4 / 3]))]   # as torchvision computes it (float32)
+
+
+def random_resized_crop_box(height, width, scale):
+    """torchvision's RandomResizedCrop.get_params (aspect ratio 3/4 to 4/3) for a height x width
+    image: the same draws in the same order, so the same box for a seed, without its per-call
+    tensor set-up (this runs for every crop of every image)."""
+    area = height * width
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(*LOG_RATIO)).item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            return torch.randint(0, height - h + 1, size=(1,)).item(), torch.randint(0, width - w + 1, size=(1,)).item(), h, w
+    ratio = width / height                       # ten misses: the whole image, cut to the ratio range
+    if ratio < 3 / 4:
+        w, h = width, int(round(width / (3 / 4)))
+    elif ratio > 4 / 3:
+        h, w = height, int(round(height * (4 / 3)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 # The pixel operations of `MultiCropAugmentation.batch`, on float tensors [N, 3, h, w] holding

@@ -154,6 +154,8 @@ def get_args_parser():
     g.add_argument("--recipe", choices=["quickstart"], help="time a README recipe end to end, old path vs new path")
     g.add_argument("--recipe_rounds", type=int, default=3, help="interleaved rounds per configuration")
     g.add_argument("--recipe_steps", type=int, default=8, help="training steps per round")
+    g.add_argument("--recipe_threads", type=int, help="torch threads of the training process (default: torch's); "
+                                                      "1 on a busy machine: CPU s/step then counts work, not spinning")
     return p
 
 
@@ -976,6 +978,8 @@ def attention_kernels(reps):
 
 
 def bench_recipe(args):
+    if args.recipe_threads:
+        torch.set_num_threads(args.recipe_threads)
     peaks = measure_peaks(torch.device("cpu"), argparse.Namespace(precisions=["fp32", "bf16"],
                                                                    peak_seconds=args.peak_seconds))
     print(f"recipe: the README quick start (DINO, vit_pico/4, batch 128, 2 x 32 + 4 x 16 px, Fashion-MNIST); "

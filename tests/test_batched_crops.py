@@ -189,3 +189,18 @@ def test_cpu_bf16_attention_is_the_explicit_one_and_agrees_with_the_fused_one(mo
     with torch.no_grad():
         attention(x)
     assert not attention.fused_attn and len(sdpa_calls) == 1
+
+
+def test_crop_boxes_are_torchvisions_for_every_seed_and_shape():
+    """`random_resized_crop_box` draws as RandomResizedCrop.get_params does: same box, same
+    generator state after, also where ten misses fall back to the central crop (extreme shapes)."""
+    from torchvision import transforms
+    for seed in range(300):
+        for height, width, scale in ((28, 28, (0.05, 0.4)), (28, 28, (0.4, 1.0)), (10, 300, (0.9, 1.0)),
+                                     (300, 10, (0.9, 1.0)), (375, 500, (0.14, 1.0))):
+            torch.manual_seed(seed)
+            expected = transforms.RandomResizedCrop.get_params(torch.empty(0, height, width), list(scale), [3 / 4, 4 / 3])
+            state = torch.get_rng_state()
+            torch.manual_seed(seed)
+            assert common.random_resized_crop_box(height, width, scale) == tuple(expected)
+            assert torch.equal(torch.get_rng_state(), state)
