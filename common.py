@@ -500,9 +500,12 @@ def resample_crops(pixels, box, size, flip):
     rows = pil_bicubic_weights(top, h, pixels.shape[2], size)[:, None]            # [N, 1, size, H]
     cols = pil_bicubic_weights(left, w, pixels.shape[3], size)                    # [N, size, W]
     cols = torch.where(flip[:, None, None], cols.flip(1), cols).transpose(1, 2)[:, None]  # [N, 1, W, size]
-    horizontal_first = (rows @ (pixels @ cols).round().clamp(0, 255)).round().clamp(0, 255)
-    vertical_first = ((rows @ pixels).round().clamp(0, 255) @ cols).round().clamp(0, 255)
-    return torch.where(((h > size) & (w <= size)).view(-1, 1, 1, 1), vertical_first, horizontal_first)
+    out = (rows @ (pixels @ cols).round().clamp(0, 255)).round().clamp(0, 255)
+    vertical_first = (h > size) & (w <= size)
+    if vertical_first.any():
+        rows, pixels, cols = rows[vertical_first], pixels[vertical_first], cols[vertical_first]
+        out[vertical_first] = ((rows @ pixels).round().clamp(0, 255) @ cols).round().clamp(0, 255)
+    return out
 
 
 def luma(x):
@@ -557,9 +560,12 @@ def color_jitter(x, jitters):
     apply = torch.tensor([j is not None for j in jitters])
     order = torch.tensor([j[0] if j is not None else [0, 1, 2, 3] for j in jitters])          # [N, 4]
     factors = torch.tensor([j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters])  # [N, 4]
+    # saturation and hue leave a grey image (R = G = B) as it is, and the other two keep it grey:
+    # skipped there (all of Fashion-MNIST), which changes no pixel
+    coloured = (x.amax(1) != x.amin(1)).flatten(1).any(1)
     for position in range(4):
         for op in range(4):
-            chosen = apply & (order[:, position] == op)
+            chosen = apply & (order[:, position] == op) & (coloured if op >= 2 else True)
             if chosen.any():
                 x[chosen] = adjust_color(x[chosen], op, factors[chosen, op].view(-1, 1, 1, 1))
     return x
