@@ -36,10 +36,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageFilter
+from timm.layers import Attention as TimmAttention
 from timm.layers import Mlp
 from timm.models.cait import ClassAttn
 from timm.models.swin_transformer import SwinTransformer
-from timm.layers import Attention as TimmAttention
 from timm.models.vision_transformer import VisionTransformer
 from torchvision import datasets as tv_datasets
 from torchvision import transforms
@@ -76,10 +76,10 @@ ARCHS = {
 
 class Attention(TimmAttention):
     """timm's attention, computed as softmax(q k^T / sqrt(d)) v explicitly (timm's unfused path)
-    on a CPU under bf16 autocast: there the fused kernel's backward runs 4-15x slower than the
-    explicit matmuls at small head dimensions (torch 2.14, Xeon with AMX; tests/bench.py
-    --recipe quickstart measures the step). Elsewhere, and wherever `fused_attn` is set False, as
-    timm decides."""
+    on a CPU under bf16 autocast: there the fused kernel's bf16 backward is slow, and vit_pico's
+    attention forward + backward took 9x longer with it than explicitly (torch 2.14, Xeon with AMX;
+    `tests/bench.py --recipe quickstart` measures it). Elsewhere timm decides, and setting
+    `fused_attn = False` selects the explicit path everywhere, as in timm."""
 
     @property
     def fused_attn(self):
@@ -176,7 +176,8 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
                        norm_layer=norm_layer, num_classes=0, dynamic_img_size=True,
                        drop_path_rate=drop_path_rate, class_token=class_token,
                        global_pool="token" if class_token else "avg", final_norm=final_norm,
-                       fc_norm=False, attn_layer=Attention, **cfg)  # keep the final norm in `norm` (timm moves it to fc_norm for "avg")
+                       fc_norm=False,  # keep the final norm in `norm` (timm moves it to fc_norm for "avg")
+                       attn_layer=Attention, **cfg)
     else:
         if not class_token or not final_norm:
             die("a Swin backbone has no CLS token to remove and always ends in a LayerNorm")
@@ -340,6 +341,7 @@ class MultiCropAugmentation:
     scaled by global_crop_size / 224 so that it blurs as much of a small image (at 32 px an unscaled
     sigma of 2 erases a Fashion-MNIST item). At 224 px nothing changes.
     All randomness comes from torch's global RNG, so `SeededDataset` makes it reproducible.
+    `batch` builds the same crops for a batch of same-size images at once (`--batched_crops`).
     """
 
     def __init__(self, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4),
@@ -382,7 +384,8 @@ class MultiCropAugmentation:
 
     def plan(self):
         """(size, scale, photometric pipeline) of every crop, in the order they are drawn."""
-        return ([(self.global_size, self.global_scale, self.global1), (self.global_size, self.global_scale, self.global2)]
+        return ([(self.global_size, self.global_scale, self.global1),
+                 (self.global_size, self.global_scale, self.global2)]
                 + [(self.local_size, self.local_scale, self.local)] * self.n_local)
 
     def batch(self, images, seeds):
@@ -390,12 +393,13 @@ class MultiCropAugmentation:
         this augmentation gives for these images and per-sample seeds, already collated.
 
         images: [B, 3, H, W] uint8; seeds: one torch seed per image (`sample_seed`). Every random
-        draw is the PIL path's, in its order, from torch's global generator seeded per sample, so
-        the boxes, flips and all photometric parameters are the PIL path's for the same seed. The
-        pixel operations reproduce PIL's to a level or two of 255 (PIL's fixed-point resampling and
-        per-pass rounding): resampling and blur are per-sample matrices (PIL's antialiased bicubic
-        within the crop box; its three-pass box blur), colour operations truncate to integers as
-        PIL's blends do. Returns (crops, geometry) as `default_collate` would: a list of
+        draw is the PIL path's, in its order, from torch's global generator reseeded per sample
+        (`SeededDataset` restores the generator afterwards), so the boxes, flips and all photometric
+        parameters are the PIL path's for the same seed. The pixel operations reproduce PIL's,
+        mostly exactly, else to a few levels of 255 (PIL's fixed-point arithmetic and per-pass
+        rounding): resampling and blur are per-sample matrices (PIL's antialiased bicubic within
+        the crop box; its three-pass box blur), colour operations truncate to integers as PIL's
+        blends do. Returns (crops, geometry) as `default_collate` would: a list of
         [B, 3, size, size] float tensors and a list of dicts of [B, ...] tensors.
         """
         batch, _, height, width = images.shape
@@ -460,7 +464,8 @@ def random_resized_crop_box(height, width, scale):
         w = int(round(math.sqrt(target_area * aspect_ratio)))
         h = int(round(math.sqrt(target_area / aspect_ratio)))
         if 0 < w <= width and 0 < h <= height:
-            return torch.randint(0, height - h + 1, size=(1,)).item(), torch.randint(0, width - w + 1, size=(1,)).item(), h, w
+            top = torch.randint(0, height - h + 1, size=(1,)).item()
+            return top, torch.randint(0, width - w + 1, size=(1,)).item(), h, w
     ratio = width / height                       # ten misses: the whole image, cut to the ratio range
     if ratio < 3 / 4:
         w, h = width, int(round(width / (3 / 4)))
@@ -537,7 +542,8 @@ def shift_hue(x, shift):
     f, fs, v = hue * 6 / 255 - sector, sat / 255, maxc
     p, q, t = (torch.round(v * (1 - fs)), torch.round(v * (1 - fs * f)), torch.round(v * (1 - fs * (1 - f))))
     sector = sector.long() % 6
-    choices = torch.stack([torch.stack(c, 1) for c in ((v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q))])
+    sectors = ((v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q))        # (R, G, B) per sector
+    choices = torch.stack([torch.stack(c, 1) for c in sectors])
     out = choices.gather(0, sector[None, :, None].expand(1, -1, 3, -1, -1))[0]
     return torch.where(grey[:, None], x, out)
 

@@ -861,12 +861,14 @@ class RecipeRun:
 
     def __init__(self, flags, args, output_dir):
         self.a = a = dino.get_args_parser().parse_args(
-            QUICKSTART + flags + ["--output_dir", output_dir, "--epochs", str(args.recipe_rounds), "--seed", str(args.seed)])
+            QUICKSTART + flags + ["--output_dir", output_dir, "--epochs", str(args.recipe_rounds),
+                                  "--seed", str(args.seed)])
         device = self.device = torch.device("cpu")
         common.resolve_precision(a, device)
         augment = common.MultiCropAugmentation(a.global_crops_scale, a.local_crops_scale, a.local_crops_number,
                                                a.global_crop_size, a.local_crop_size)
-        base = torch.utils.data.Subset(common.build_dataset(a, train=True), range(args.recipe_steps * a.batch_size_per_gpu))
+        images = range(args.recipe_steps * a.batch_size_per_gpu)   # an epoch is one round: no batch left over
+        base = torch.utils.data.Subset(common.build_dataset(a, train=True), images)
         self.dataset = common.SeededDataset(base, augment, seed=a.seed, batched=a.batched_crops)
         self.loader, self.sampler = common.make_loader(self.dataset, a.batch_size_per_gpu, a.num_workers, seed=a.seed)
         common.fix_random_seeds(a.seed)                     # every configuration starts from the same weights
@@ -1003,7 +1005,8 @@ def bench_recipe(args):
             results[name] = dict(median=median, images_per_s=run.a.batch_size_per_gpu / median, cpu=cpu,
                                  loss=run.losses[-1])
             print(f"| {name} | {median:.3f} | {min(run.step_times):.3f} | {max(run.step_times):.3f} | "
-                  f"{run.a.batch_size_per_gpu / median:.0f} | {base / median:.2f}x | {cpu:.3f} | {base_cpu / cpu:.2f}x | "
+                  f"{run.a.batch_size_per_gpu / median:.0f} | {base / median:.2f}x | {cpu:.3f} | "
+                  f"{base_cpu / cpu:.2f}x | "
                   f"{run.losses[-1]:.4f} |")
         print("\nProfile of one step (each part timed alone in this process, median of "
               f"{args.steps}); FLOPs: forward + backward; MFU: GFLOP/s of the model part (forward, loss, "
@@ -1023,8 +1026,9 @@ def bench_recipe(args):
             print(f"| {part} | " + " | ".join(f"{profiled[n][0][part] * 1e3:.0f} ms" for n in names) + " |")
         print("| GFLOP / step | " + " | ".join(f"{profiled[n][1] / 1e9:.1f}" for n in names) + " |")
         model_parts = ("teacher forward", "student forward", "loss", "backward")
+        model_seconds = {n: sum(profiled[n][0][p] for p in model_parts) for n in names}
         print("| MFU of forward + backward | " + " | ".join(
-            pct(profiled[n][1] / sum(profiled[n][0][p] for p in model_parts) / peaks[profiled[n][3]]) for n in names) + " |")
+            pct(profiled[n][1] / model_seconds[n] / peaks[profiled[n][3]]) for n in names) + " |")
         print("| aten operators / forward-backward | " + " | ".join(str(profiled[n][2]) for n in names) + " |")
         for name in names:
             results[name]["parts"], results[name]["flops"] = profiled[name][0], profiled[name][1]

@@ -199,7 +199,8 @@ def test_crop_boxes_are_torchvisions_for_every_seed_and_shape():
         for height, width, scale in ((28, 28, (0.05, 0.4)), (28, 28, (0.4, 1.0)), (10, 300, (0.9, 1.0)),
                                      (300, 10, (0.9, 1.0)), (375, 500, (0.14, 1.0))):
             torch.manual_seed(seed)
-            expected = transforms.RandomResizedCrop.get_params(torch.empty(0, height, width), list(scale), [3 / 4, 4 / 3])
+            expected = transforms.RandomResizedCrop.get_params(torch.empty(0, height, width), list(scale),
+                                                               [3 / 4, 4 / 3])
             state = torch.get_rng_state()
             torch.manual_seed(seed)
             assert common.random_resized_crop_box(height, width, scale) == tuple(expected)
