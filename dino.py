@@ -221,7 +221,8 @@ def main(args):
     # ---- data: every sample's crops depend only on (seed, epoch, index)
     augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
                                            args.global_crop_size, args.local_crop_size)
-    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed)
+    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed,
+                                   batched=args.batched_crops)
     loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers, train=True, seed=args.seed)
     common.log(f"data: {len(dataset)} images, {len(loader)} steps per epoch")
 

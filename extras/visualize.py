@@ -287,14 +287,17 @@ def read_json_lines(path):
 # ================================================================================================
 # The crops a training run sees
 # ================================================================================================
-def crops_picture(dataset, augment, seed, indices, size=96):
+def crops_picture(dataset, augment, seed, indices, size=96, batched=False):
     """One row per image: the image, then its crops as training draws them at epoch 0
-    (`common.SeededDataset` with the run's seed), every view drawn size x size."""
-    seeded = common.SeededDataset(dataset, augment, seed)
+    (`common.SeededDataset` with the run's seed and --batched_crops), every view drawn size x size."""
+    seeded = common.SeededDataset(dataset, augment, seed, batched=batched)
     views = []
     for index in indices:
         image = dataset[index][0].convert("RGB")
-        crops, _ = seeded[(index, 0)][0]
+        if batched:
+            crops = [c[0] for c in seeded.__getitems__([(index, 0)])[0][0]]
+        else:
+            crops, _ = seeded[(index, 0)][0]
         views += [pil_to_tensor(image.resize((size, size), Image.Resampling.BICUBIC)),
                   *[to_uint8(c, size) for c in crops]]
     return make_grid(views, nrow=len(views) // len(indices), padding=4, pad_value=255)
@@ -371,7 +374,8 @@ def main(args):
             common.die(f"--indices {bad} outside the {len(dataset)} images of the train split")
         augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
                                                args.global_crop_size, args.local_crop_size)
-        return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size), args)
+        return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size,
+                                  args.batched_crops), args)
     image = load_image(args)
     def load(key):
         return common.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
@@ -395,8 +399,13 @@ def main(args):
         augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
                                                args.global_crop_size, args.local_crop_size)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(common.sample_seed(args.seed, 0, args.index))
-            crops, geometry = augment(image)
+            seed = common.sample_seed(args.seed, 0, args.index)
+            if args.batched_crops:
+                crops, geometry = augment.batch(pil_to_tensor(image.convert("RGB"))[None], [seed])
+                crops, geometry = [c[0] for c in crops], [{k: v[0] for k, v in g.items()} for g in geometry]
+            else:
+                torch.manual_seed(seed)
+                crops, geometry = augment(image)
         picture = matchings_picture(backbone, student, [c.to(device) for c in crops],
                                     [{k: v.to(device) for k, v in g.items()} for g in geometry],
                                     args.student_crop, args.picture_size)

@@ -47,6 +47,17 @@ Commands:
   python tests/bench.py --preset paper --device cuda          # ViT-S/16, 2 x 224 + 8 x 96, batch 64
   python tests/bench.py --preset paper --device cuda --arch swin_tiny
   python tests/bench.py --methods dino glsd_geometric --precisions bf16 --steps 2
+  python tests/bench.py --recipe quickstart                   # the README quick start, old vs new path
+
+--recipe quickstart (instead of the rows above): the README quick start's DINO training (vit_pico/4,
+batch 128, 2 x 32 + 4 x 16 px crops of Fashion-MNIST), run by dino.train_one_epoch itself on a real
+loader, in several configurations side by side in one process, interleaved (rounds of --recipe_steps
+steps each, the first step of every round not counted), so that a shared machine's load hits all
+alike: img/s = batch / median step time (data wait included); CPU s/step = the CPU time a step
+costs this process and its loader workers (robust to other load, which wall time is not). Then the profile of one step of each
+configuration (each part timed on its own: building the batch's crops in this process, teacher
+forward, student forward, loss, backward, clipping, AdamW, EMA, per-step bookkeeping), its FLOPs and
+its share of the dense-matmul peak, and the number of operators a step dispatches.
 """
 import argparse
 import contextlib
@@ -54,6 +65,7 @@ import ctypes
 import gc
 import io
 import math
+import os
 import platform
 import random
 import statistics
@@ -138,6 +150,12 @@ def get_args_parser():
     g.add_argument("--data_images", type=int, default=64, help="JPEGs in the data-pipeline section")
     g.add_argument("--data_passes", type=int, default=3, help="passes over them per pipeline (median)")
     g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("recipe (instead of the method rows)")
+    g.add_argument("--recipe", choices=["quickstart"], help="time a README recipe end to end, old path vs new path")
+    g.add_argument("--recipe_rounds", type=int, default=3, help="interleaved rounds per configuration")
+    g.add_argument("--recipe_steps", type=int, default=8, help="training steps per round")
+    g.add_argument("--recipe_threads", type=int, help="torch threads of the training process (default: torch's); "
+                                                      "1 on a busy machine: CPU s/step then counts work, not spinning")
     return p
 
 
@@ -782,8 +800,254 @@ def print_header(args, argv, device, sdpa_counted):
           f"{'yes' if sdpa_counted else 'no (attention FLOPs added analytically)'}")
 
 
+# ================================================================================================
+# A README recipe end to end: the current path against the faster one, side by side
+# ================================================================================================
+# The README quick start's training command (its --output_dir and --num_workers come from each configuration).
+QUICKSTART = ("--arch vit_pico --patch_size 4 --dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 "
+              "--local_crops_number 4 --out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 "
+              "--norm_last_layer false --batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 "
+              "--weight_decay_end 0.04 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
+              "--warmup_epochs 0.5").split()
+# name -> flags: the PIL path in loader workers and fp32 (what --precision auto chose for vit_pico
+# before bf16 paid at that size) against the batched crops, in fp32 and bf16.
+RECIPE_CONFIGS = {
+    "PIL crops, 1 worker, fp32": ["--num_workers", "1", "--precision", "fp32"],
+    "PIL crops, 2 workers, fp32": ["--num_workers", "2", "--precision", "fp32"],
+    "batched crops, 0 workers, fp32": ["--num_workers", "0", "--batched_crops", "true", "--precision", "fp32"],
+    "batched crops, 0 workers, bf16": ["--num_workers", "0", "--batched_crops", "true", "--precision", "bf16"],
+    "batched crops, 1 worker, bf16": ["--num_workers", "1", "--batched_crops", "true", "--precision", "bf16"],
+}
+
+
+def cpu_seconds(pids):
+    """CPU time (user + system) so far of this process and of the processes `pids` (Linux /proc)."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+class StepClock:
+    """Iterates over a loader and records when each batch is handed out, in wall time and in CPU
+    time of this process and its loader workers: the gaps are the steps (training on a batch plus
+    waiting for the next one). CPU time is the work a step costs, whatever else the machine runs."""
+
+    def __init__(self, loader):
+        self.loader, self.times, self.cpu = loader, [], []
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _tick(self, iterator):
+        workers = [w.pid for w in getattr(iterator, "_workers", [])]
+        self.times.append(time.perf_counter())
+        self.cpu.append(cpu_seconds(workers))
+
+    def __iter__(self):
+        iterator = iter(self.loader)
+        for batch in iterator:
+            self._tick(iterator)
+            yield batch
+        self._tick(iterator)
+
+
+class RecipeRun:
+    """One configuration of the quick start, built as dino.main() builds it, trained round by round."""
+
+    def __init__(self, flags, args, output_dir):
+        self.a = a = dino.get_args_parser().parse_args(
+            QUICKSTART + flags + ["--output_dir", output_dir, "--epochs", str(args.recipe_rounds),
+                                  "--seed", str(args.seed)])
+        device = self.device = torch.device("cpu")
+        common.resolve_precision(a, device)
+        augment = common.MultiCropAugmentation(a.global_crops_scale, a.local_crops_scale, a.local_crops_number,
+                                               a.global_crop_size, a.local_crop_size)
+        images = range(args.recipe_steps * a.batch_size_per_gpu)   # an epoch is one round: no batch left over
+        base = torch.utils.data.Subset(common.build_dataset(a, train=True), images)
+        self.dataset = common.SeededDataset(base, augment, seed=a.seed, batched=a.batched_crops)
+        self.loader, self.sampler = common.make_loader(self.dataset, a.batch_size_per_gpu, a.num_workers, seed=a.seed)
+        common.fix_random_seeds(a.seed)                     # every configuration starts from the same weights
+        self.student = dino.build_model(a, a.drop_path_rate).to(device)
+        self.teacher = dino.build_model(a, 0.0).to(device)
+        self.teacher.load_state_dict(self.student.state_dict())
+        self.teacher.requires_grad_(False)
+        n = args.recipe_steps
+        self.criterion = dino.DINOLoss(a.out_dim, a.local_crops_number + 2, a.warmup_teacher_temp, a.teacher_temp,
+                                       a.warmup_teacher_temp_epochs, a.epochs, niter_per_ep=n).to(device)
+        self.optimizer = torch.optim.AdamW(common.get_params_groups(self.student))
+        self.scaler = common.make_grad_scaler(device, a.precision)
+        self.schedules = {
+            "lr": common.cosine_scheduler(a.lr * a.batch_size_per_gpu / 256, a.min_lr, a.epochs, n, a.warmup_epochs),
+            "wd": common.cosine_scheduler(a.weight_decay, a.weight_decay_end, a.epochs, n),
+            "momentum": common.cosine_scheduler(a.momentum_teacher, 1, a.epochs, n)}
+        self.step_times, self.step_cpu, self.losses = [], [], []
+
+    def train_round(self, epoch):
+        self.sampler.set_epoch(epoch)
+        clock = StepClock(self.loader)
+        record = dino.train_one_epoch(self.student, self.teacher, self.criterion, clock, self.optimizer, self.scaler,
+                                      self.schedules, epoch, 0, self.a, self.device)
+        self.step_times += list(np.diff(clock.times))[1:]        # the first step waits for a cold loader
+        self.step_cpu += list(np.diff(clock.cpu))[1:]
+        self.losses.append(record["loss"])
+
+    def batch(self):
+        """The crops of one batch built in this process, as the loader builds them, and its time."""
+        indices = [(i, 0) for i in range(self.a.batch_size_per_gpu)]
+        start = time.perf_counter()
+        items = self.dataset.__getitems__(indices)
+        batch = items if self.dataset.batched else torch.utils.data.default_collate(items)
+        return batch, time.perf_counter() - start
+
+
+def profile_recipe_step(run, reps):
+    """Median seconds of each part of dino.train_one_epoch's step, each part timed on its own."""
+    a, student, teacher, criterion, optimizer = run.a, run.student, run.teacher, run.criterion, run.optimizer
+    parts = {k: [] for k in ("data (crops, this process)", "teacher forward", "student forward", "loss",
+                             "backward", "clip gradients", "AdamW step", "EMA update", "bookkeeping (.item())")}
+    for _ in range(reps + 1):
+        ((crops, _), _), data_time = run.batch()
+        t = [time.perf_counter()]
+        with common.autocast(run.device, a.precision):
+            with torch.no_grad():
+                teacher_output = teacher(crops[:2])
+            t.append(time.perf_counter())
+            student_output = student(crops)
+        t.append(time.perf_counter())
+        losses = criterion(student_output, teacher_output, 0)
+        common.stop_if_not_finite(losses["loss"], 0, a, dict)
+        t.append(time.perf_counter())
+        optimizer.zero_grad(set_to_none=True)
+        run.scaler.scale(losses["loss"]).backward()
+        t.append(time.perf_counter())
+        run.scaler.unscale_(optimizer)
+        common.clip_gradients(student, a.clip_grad)
+        t.append(time.perf_counter())
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        t.append(time.perf_counter())
+        common.update_teacher(student, teacher, a.momentum_teacher)
+        t.append(time.perf_counter())
+        {k: v.item() for k, v in losses.items()}
+        t.append(time.perf_counter())
+        for name, seconds in zip(parts, [data_time] + list(np.diff(t))):
+            parts[name].append(seconds)
+    return {k: statistics.median(v[1:]) for k, v in parts.items()}, crops
+
+
+def recipe_flops_and_ops(run, crops):
+    """FLOPs of one forward-backward (matmuls, convolutions, attention) and operators per step."""
+    a = run.a
+
+    def forward_backward():
+        with common.autocast(run.device, a.precision):
+            with torch.no_grad():
+                teacher_output = run.teacher(crops[:2])
+            student_output = run.student(crops)
+        run.criterion(student_output, teacher_output, 0)["loss"].backward()
+    flops, _ = count_flops(forward_backward, sdpa_counted_by_flop_counter(run.device))
+    with torch.profiler.profile() as prof:
+        forward_backward()
+    return flops, sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+def attention_kernels(reps):
+    """Median ms of forward + backward of vit_pico's attention on the quick start's two crop sizes
+    (batch 128: 256 global crops of 65 tokens, 512 local crops of 17 tokens; 2 heads of 32 dims), by
+    kernel: the fused one (what F.scaled_dot_product_attention picks on CPU) in fp32 and bf16, and
+    the explicit softmax(q k^T) v that `common.Attention` takes under CPU bf16 autocast."""
+    def fused(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def explicit(q, k, v):
+        return ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+    rows = {}
+    for name, kernel, dtype in (("fused, fp32", fused, torch.float32), ("fused, bf16", fused, torch.bfloat16),
+                                ("explicit, bf16", explicit, torch.bfloat16)):
+        inputs = [[torch.randn(batch, 2, tokens, 32, dtype=dtype, requires_grad=True) for _ in range(3)]
+                  for batch, tokens in ((256, 65), (512, 17))]
+
+        def step(kernel=kernel, inputs=inputs):
+            for qkv in inputs:
+                torch.autograd.grad(kernel(*qkv).float().sum(), qkv)
+        rows[name] = statistics.median(timed(step, reps, torch.device("cpu"), warmup=1)) * 1e3
+    return rows
+
+
+def bench_recipe(args):
+    if args.recipe_threads:
+        torch.set_num_threads(args.recipe_threads)
+    peaks = measure_peaks(torch.device("cpu"), argparse.Namespace(precisions=["fp32", "bf16"],
+                                                                   peak_seconds=args.peak_seconds))
+    print(f"recipe: the README quick start (DINO, vit_pico/4, batch 128, 2 x 32 + 4 x 16 px, Fashion-MNIST); "
+          f"{args.recipe_rounds} interleaved rounds of {args.recipe_steps} steps per configuration; "
+          f"{torch.get_num_threads()} torch threads")
+    results = {}
+    with tempfile.TemporaryDirectory() as output_dir:
+        runs = {name: RecipeRun(flags, args, str(Path(output_dir) / str(i)))
+                for i, (name, flags) in enumerate(RECIPE_CONFIGS.items())}
+        for epoch in range(args.recipe_rounds):
+            for run in runs.values():
+                run.train_round(epoch)
+        base = statistics.median(next(iter(runs.values())).step_times)
+        base_cpu = statistics.median(next(iter(runs.values())).step_cpu)
+        print(f"load average (1 min) after the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print("\n| configuration | s/step (median) | min | max | img/s | vs the first | CPU s/step (median) "
+              "| vs the first | loss of the last round |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, run in runs.items():
+            median, cpu = statistics.median(run.step_times), statistics.median(run.step_cpu)
+            results[name] = dict(median=median, images_per_s=run.a.batch_size_per_gpu / median, cpu=cpu,
+                                 loss=run.losses[-1])
+            print(f"| {name} | {median:.3f} | {min(run.step_times):.3f} | {max(run.step_times):.3f} | "
+                  f"{run.a.batch_size_per_gpu / median:.0f} | {base / median:.2f}x | {cpu:.3f} | "
+                  f"{base_cpu / cpu:.2f}x | "
+                  f"{run.losses[-1]:.4f} |")
+        print("\nProfile of one step (each part timed alone in this process, median of "
+              f"{args.steps}); FLOPs: forward + backward; MFU: GFLOP/s of the model part (forward, loss, "
+              "backward) / the dense matmul peak of its precision")
+        profiled = {}
+        profiled_elsewhere = ("PIL crops, 2 workers, fp32", "batched crops, 1 worker, bf16")  # the same step
+        for name, run in runs.items():
+            if name in profiled_elsewhere:
+                continue
+            parts, crops = profile_recipe_step(run, args.steps)
+            flops, ops = recipe_flops_and_ops(run, crops)
+            profiled[name] = (parts, flops, ops, run.a.precision)
+        names = list(profiled)
+        print("\n| part | " + " | ".join(names) + " |")
+        print("|---|" + "---:|" * len(names))
+        for part in next(iter(profiled.values()))[0]:
+            print(f"| {part} | " + " | ".join(f"{profiled[n][0][part] * 1e3:.0f} ms" for n in names) + " |")
+        print("| GFLOP / step | " + " | ".join(f"{profiled[n][1] / 1e9:.1f}" for n in names) + " |")
+        model_parts = ("teacher forward", "student forward", "loss", "backward")
+        model_seconds = {n: sum(profiled[n][0][p] for p in model_parts) for n in names}
+        print("| MFU of forward + backward | " + " | ".join(
+            pct(profiled[n][1] / model_seconds[n] / peaks[profiled[n][3]]) for n in names) + " |")
+        print("| aten operators / forward-backward | " + " | ".join(str(profiled[n][2]) for n in names) + " |")
+        for name in names:
+            results[name]["parts"], results[name]["flops"] = profiled[name][0], profiled[name][1]
+    kernels = attention_kernels(args.steps)
+    print("\nattention forward + backward per step, one block (vit_pico, the quick start's crops): "
+          + ", ".join(f"{name} {ms:.1f} ms" for name, ms in kernels.items()))
+    results["attention_ms"] = kernels
+    print("\ndense matmul peak (measured before the runs): "
+          + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items()))
+    return results
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.recipe:
+        wall = time.perf_counter()
+        results = bench_recipe(args)
+        print(f"\nwall time {time.perf_counter() - wall:.0f} s")
+        return {"recipe": results}
     wall = time.perf_counter()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
