@@ -65,7 +65,7 @@ SHARED = ("--global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
           "--out_dim 1024 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
           "--batch_size_per_gpu 128 --lr 0.004 --min_lr 1e-6 --weight_decay 0.04 --weight_decay_end 0.04 "
           "--clip_grad 3.0 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
-          "--warmup_teacher_temp 0.04 --teacher_temp 0.04 --warmup_teacher_temp_epochs 0 --num_workers 1")
+          "--warmup_teacher_temp 0.04 --teacher_temp 0.04 --warmup_teacher_temp_epochs 0 --batched_crops true --num_workers 0")
 BACKBONES = {"vit": "--arch vit_pico --patch_size 4", "swin": "--arch swin_pico3 --fit_window true"}
 # row: (backbone, script, the method's own flags)
 METHOD_FLAGS = {
