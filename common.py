@@ -1401,14 +1401,13 @@ def make_grad_scaler(device, precision):
 EMULATED_BF16_SLOWDOWN = "a ViT-S/16 step about 25x slower than in fp32 (measured on an AVX2-only AMD EPYC)"
 
 
-def choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability, pico_model):
+def choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability):
     """What `--precision auto` runs, and why (one line for the log). A pure function of what
     `precision_facts` finds out, so that every case is testable on any machine:
       GPU with native bf16 (Ampere or newer)   bf16: fp16's speed, fp32's range (no grad scaler)
       GPU without                              fp16 with a grad scaler, as DINO's authors train
-      CPU with AVX512-BF16 or AMX-BF16         bf16, but fp32 for the *_pico models (vit_pico steps
-                                               were 1.3-1.7x slower in bf16 there: the CPU attention
-                                               backward in bf16 is slow for short sequences)
+      CPU with AVX512-BF16 or AMX-BF16         bf16 (also for the *_pico models: with `Attention`'s
+                                               explicit path their steps are 1.2-2.3x faster than fp32)
       any other CPU or device                  fp32 (bf16 would be emulated)
     The authors of DINO, EsViT, GLSD (EsViT's code) and SelfPatch train in fp16 with a grad scaler
     (`--use_fp16`, on by default), DRLoc's in fp32: on a GPU without native bf16 `auto` is their
@@ -1425,8 +1424,6 @@ def choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability, pi
     if not cpu_native_bf16:
         return "fp32", (f"this CPU has no native bf16 (torch CPU capability {cpu_capability}, no AVX512-BF16 "
                         f"or AMX-BF16): emulated bf16 would make {EMULATED_BF16_SLOWDOWN}")
-    if pico_model:
-        return "fp32", "the *_pico models train faster in fp32 than in bf16 even on a CPU with native bf16"
     return "bf16", f"this CPU has native bf16 (AVX512-BF16 or AMX-BF16; torch CPU capability {cpu_capability})"
 
 
@@ -1468,7 +1465,7 @@ def resolve_precision(args, device):
     facts = precision_facts(device)
     args.precision_auto = args.precision == "auto"
     if args.precision_auto:
-        args.precision, reason = choose_precision(**facts, pico_model="_pico" in args.arch)
+        args.precision, reason = choose_precision(**facts)
         log(f"precision: {args.precision} (--precision auto: {reason})")
     elif args.precision == "bf16" and device.type == "cpu" and not facts["cpu_native_bf16"]:
         log(f"warning: --precision bf16 on a CPU without native bf16 (torch CPU capability {facts['cpu_capability']}, "
@@ -2044,8 +2041,8 @@ def add_run_args(parser, saveckp_freq=20):
                         "process takes the GPU of its LOCAL_RANK)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                    help="autocast dtype. auto: bf16 on GPUs with native bf16, else fp16 with a grad scaler (as "
-                        "DINO's authors train); on CPUs bf16 only with native bf16 (AVX512-BF16 or AMX-BF16) and not "
-                        "for the *_pico models, else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an "
+                        "DINO's authors train); on CPUs bf16 only with native bf16 (AVX512-BF16 or AMX-BF16), "
+                        "else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an "
                         "AVX2-only CPU); the choice and its reason are logged. fp16 uses a grad scaler (on CPU "
                         "only for testing: slow). On CUDA, fp32 matmuls and convolutions use TF32, as in the "
                         "authors' torch, and under bf16 the DINO heads compute in fp32")

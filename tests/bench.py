@@ -785,7 +785,7 @@ def print_header(args, argv, device, sdpa_counted):
             hardware = names[0] if names else hardware
     print(f"# bench.py: {hardware}, {device}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
     facts = common.precision_facts(device)
-    auto, why = common.choose_precision(**facts, pico_model=args.arch.endswith("_pico"))
+    auto, why = common.choose_precision(**facts)
     print(f"CPU capability (torch): {facts['cpu_capability']}; native bf16 on {device.type}: "
           f"{'yes' if has_native_bf16(device) else 'no (bf16 rows are emulated)'}; "
           f"--precision auto would train in {auto} ({why})")
@@ -809,14 +809,16 @@ QUICKSTART = ("--arch vit_pico --patch_size 4 --dataset fashion_mnist --global_c
               "--norm_last_layer false --batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 "
               "--weight_decay_end 0.04 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
               "--warmup_epochs 0.5").split()
-# name -> flags: the PIL path in loader workers and fp32 (what --precision auto chose for vit_pico
-# before bf16 paid at that size) against the batched crops, in fp32 and bf16.
+# name -> flags: the PIL path in loader workers and fp32 (what the quick start ran before the batched
+# crops, and what --precision auto chose for vit_pico before bf16 paid at that size) against the batched
+# crops in fp32 and at --precision auto (bf16 on a CPU with native bf16; the README quick start's row).
 RECIPE_CONFIGS = {
     "PIL crops, 1 worker, fp32": ["--num_workers", "1", "--precision", "fp32"],
     "PIL crops, 2 workers, fp32": ["--num_workers", "2", "--precision", "fp32"],
     "batched crops, 0 workers, fp32": ["--num_workers", "0", "--batched_crops", "true", "--precision", "fp32"],
-    "batched crops, 0 workers, bf16": ["--num_workers", "0", "--batched_crops", "true", "--precision", "bf16"],
-    "batched crops, 1 worker, bf16": ["--num_workers", "1", "--batched_crops", "true", "--precision", "bf16"],
+    "batched crops, 0 workers, auto (the README quick start)": ["--num_workers", "0", "--batched_crops", "true",
+                                                                "--precision", "auto"],
+    "batched crops, 1 worker, auto": ["--num_workers", "1", "--batched_crops", "true", "--precision", "auto"],
 }
 
 
@@ -997,14 +999,14 @@ def bench_recipe(args):
         base = statistics.median(next(iter(runs.values())).step_times)
         base_cpu = statistics.median(next(iter(runs.values())).step_cpu)
         print(f"load average (1 min) after the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-        print("\n| configuration | s/step (median) | min | max | img/s | vs the first | CPU s/step (median) "
-              "| vs the first | loss of the last round |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n| configuration | precision | s/step (median) | min | max | img/s | vs the first "
+              "| CPU s/step (median) | vs the first | loss of the last round |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, run in runs.items():
             median, cpu = statistics.median(run.step_times), statistics.median(run.step_cpu)
             results[name] = dict(median=median, images_per_s=run.a.batch_size_per_gpu / median, cpu=cpu,
                                  loss=run.losses[-1])
-            print(f"| {name} | {median:.3f} | {min(run.step_times):.3f} | {max(run.step_times):.3f} | "
+            print(f"| {name} | {run.a.precision} | {median:.3f} | {min(run.step_times):.3f} | {max(run.step_times):.3f} | "
                   f"{run.a.batch_size_per_gpu / median:.0f} | {base / median:.2f}x | {cpu:.3f} | "
                   f"{base_cpu / cpu:.2f}x | "
                   f"{run.losses[-1]:.4f} |")
@@ -1012,7 +1014,7 @@ def bench_recipe(args):
               f"{args.steps}); FLOPs: forward + backward; MFU: GFLOP/s of the model part (forward, loss, "
               "backward) / the dense matmul peak of its precision")
         profiled = {}
-        profiled_elsewhere = ("PIL crops, 2 workers, fp32", "batched crops, 1 worker, bf16")  # the same step
+        profiled_elsewhere = ("PIL crops, 2 workers, fp32", "batched crops, 1 worker, auto")  # the same step
         for name, run in runs.items():
             if name in profiled_elsewhere:
                 continue

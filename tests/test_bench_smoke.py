@@ -26,4 +26,4 @@ def test_bench_one_method_one_step(capsys):
     out = capsys.readouterr().out
     assert "| glsd_geometric | fp32 |" in out and "dense matmul peak (best before and after the rows): fp32" in out
     assert f"CPU capability (torch): {torch.backends.cpu.get_cpu_capability()}; native bf16 on cpu: " in out
-    assert "--precision auto would train in fp32 (" in out                 # vit_pico: fp32 on every CPU
+    assert f"--precision auto would train in {'bf16' if bench.common.cpu_has_native_bf16() else 'fp32'} (" in out

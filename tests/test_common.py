@@ -1029,7 +1029,7 @@ def test_autocast_precisions():
 PRECISION_CASES = {
     "Zen 4 / Cooper Lake: AVX512-BF16": ("cpu", "AVX512", {"avx512_bf16": True}, False, "vit_small", "bf16"),
     "Sapphire Rapids: AMX-BF16": ("cpu", "AVX512", {"amx_bf16": True}, False, "vit_small", "bf16"),
-    "native bf16, but a pico model": ("cpu", "AVX512", {"amx_bf16": True}, False, "swin_pico", "fp32"),
+    "native bf16, a pico model too": ("cpu", "AVX512", {"amx_bf16": True}, False, "swin_pico", "bf16"),
     "Skylake: AVX-512 without bf16": ("cpu", "AVX512", {}, False, "vit_small", "fp32"),
     "EPYC with AVX2 only": ("cpu", "AVX2", {}, False, "vit_small", "fp32"),
     "no vector unit torch uses": ("cpu", "DEFAULT", {}, False, "vit_small", "fp32"),
@@ -1062,13 +1062,13 @@ def test_precision_auto_follows_the_hardware_and_says_why(monkeypatch, capsys, c
 
 
 def test_choose_precision_is_a_function_of_what_it_is_told():
-    def choose(device_type, cuda_bf16=False, cpu_native_bf16=False, cpu_capability="AVX2", pico_model=False):
-        return common.choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability, pico_model)[0]
-    assert choose("cuda", cuda_bf16=True, pico_model=True) == "bf16"             # no pico rule on GPUs
+    def choose(device_type, cuda_bf16=False, cpu_native_bf16=False, cpu_capability="AVX2"):
+        return common.choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability)[0]
+    assert choose("cuda", cuda_bf16=True) == "bf16"
     assert choose("cuda", cpu_native_bf16=True) == "fp16"                        # the CPU's bf16 is no GPU's
     assert choose("cpu", cuda_bf16=True) == "fp32"                               # nor the GPU's the CPU's
     assert choose("cpu", cpu_native_bf16=True) == "bf16"
-    assert common.choose_precision("mps", False, False, "DEFAULT", False) == ("fp32", "no mixed-precision rule "
+    assert common.choose_precision("mps", False, False, "DEFAULT") == ("fp32", "no mixed-precision rule "
                                                                                       "for mps devices")
 
 

@@ -137,7 +137,8 @@ def test_center_is_averaged_over_two_gloo_processes():
 
 TINY = ["--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "32", "--synthetic_image_size", "32",
         "--global_crop_size", "32", "--local_crop_size", "16", "--local_crops_number", "2", "--out_dim", "64",
-        "--batch_size_per_gpu", "8", "--num_workers", "0", "--warmup_epochs", "0", "--device", "cpu"]
+        "--batch_size_per_gpu", "8", "--num_workers", "0", "--warmup_epochs", "0", "--device", "cpu",
+        "--precision", "fp32"]  # not auto: runs are compared to the digit, on every CPU
 
 
 def test_teacher_sees_global_crops_only_and_last_layer_frozen_in_epoch0(tmp_path):
@@ -208,15 +209,16 @@ def test_two_step_run_then_resume(tmp_path):
 
 
 def test_default_precision_is_chosen_logged_and_recorded(tmp_path):
-    """`--precision auto` (the default) trains in fp32 on a CPU without native bf16, and with the
-    pico models on any CPU; one line says which and why; args.json records it and that auto chose."""
-    result = run_dino("--epochs", "1", "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path))
+    """`--precision auto` (the default) trains in bf16 on a CPU with native bf16 and in fp32 on any
+    other; one line says which and why; args.json records it and that auto chose."""
+    result = run_dino("--epochs", "1", "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path),
+                      "--precision", "auto")
     assert result.returncode == 0, result.stderr[-2000:]
-    (line,) = [x for x in result.stdout.splitlines() if x.startswith("precision: fp32 (--precision auto: ")]
-    why = "no native bf16" if not common.cpu_has_native_bf16() else "*_pico models train faster in fp32"
+    expected, why = ("bf16", "has native bf16") if common.cpu_has_native_bf16() else ("fp32", "no native bf16")
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith(f"precision: {expected} (--precision auto: ")]
     assert why in line and "warning" not in result.stdout
     recorded = json.loads((tmp_path / "args.json").read_text())
-    assert (recorded["precision"], recorded["precision_auto"]) == ("fp32", True)
+    assert (recorded["precision"], recorded["precision_auto"]) == (expected, True)
 
 
 def test_nonfinite_loss_stops_with_advice(tmp_path):

@@ -373,7 +373,8 @@ def test_pretrained_loads_official_swin_keys_and_this_repos_checkpoints(tmp_path
 # ------------------------------------------------------------------------------------------------
 TINY = ["--dataset", "synthetic", "--synthetic_images", "32", "--synthetic_image_size", "64", "--arch", "swin_pico",
         "--input_size", "64", "--batch_size_per_gpu", "8", "--max_steps_per_epoch", "2", "--num_workers", "0",
-        "--warmup_epochs", "0", "--lr", "0.05"]
+        "--warmup_epochs", "0", "--lr", "0.05",
+        "--precision", "fp32"]  # not auto: runs are compared to the digit, on every CPU
 # 2 epochs of 2 steps with the DRLoc loss at full weight, mixup / cutmix and drop path on (defaults)
 RUN = ["--epochs", "2", "--lambda_schedule", "constant"]
 

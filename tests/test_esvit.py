@@ -244,7 +244,8 @@ def test_model_outputs(arch, sizes, grids):
 TINY = ["--arch", "swin_pico", "--dataset", "synthetic", "--synthetic_images", "16", "--synthetic_image_size", "64",
         "--global_crop_size", "64", "--local_crop_size", "32", "--local_crops_number", "2", "--out_dim", "64",
         "--batch_size_per_gpu", "8", "--num_workers", "0", "--warmup_epochs", "0", "--max_steps_per_epoch", "2",
-        "--device", "cpu"]
+        "--device", "cpu",
+        "--precision", "fp32"]  # not auto: runs are compared to the digit, on every CPU
 
 
 def run_esvit(*extra):

@@ -29,7 +29,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "48", "--synthetic_image_size", "32",
         "--global_crop_size", "32", "--local_crop_size", "16", "--local_crops_number", "2", "--out_dim", "64",
         "--batch_size_per_gpu", "8", "--num_workers", "0", "--warmup_epochs", "1", "--device", "cpu",
-        "--max_steps_per_epoch", "1", "--epochs", "1"]
+        "--max_steps_per_epoch", "1", "--epochs", "1",
+        "--precision", "fp32"]  # not auto: runs are compared to the digit, on every CPU
 EVAL = ["--random_init", "--arch", "vit_pico", "--resize", "32", "--crop", "32", "--batch_size_per_gpu", "4",
         "--num_workers", "0", "--device", "cpu"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
