@@ -239,6 +239,7 @@ def run_row(row, args, seed):
              "--seed", str(seed), "--output_dir", str(out)]
     evaluate.call(train, "train.txt")
     record["train_seconds"] = evaluate.wall_seconds["train"]
+    record["precision"] = json.loads((out / "args.json").read_text())["precision"]   # what --precision auto chose
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
