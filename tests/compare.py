@@ -336,14 +336,25 @@ def reproducing_commands(records):
     for r in records:
         skip_linear = r["row"] != "pixels" and "linear_top1" not in r
         key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
-        rows, seeds = groups.setdefault(key, ([], set()))
+        rows, seeds, trained_seeds, curve_seeds, curve_every = groups.setdefault(key, ([], set(), set(), set(), set()))
         if r["row"] not in rows:
             rows.append(r["row"])
         seeds.add(r["seed"])
+        if r["row"] in METHOD_FLAGS:
+            trained_seeds.add(r["seed"])
+        if r.get("curve"):                    # the seeds with a learning curve and its spacing
+            curve_seeds.add(r["seed"])
+            curve_every.add(r["curve"][0]["step"])
+    defaults = get_args_parser().parse_args([])
     lines = []
-    for (data, phase, variant, steps, extra, skip_linear), (rows, seeds) in groups.items():
+    for (data, phase, variant, steps, extra, skip_linear), (rows, seeds, trained_seeds, curve_seeds,
+                                                            curve_every) in groups.items():
         line = (f"python tests/compare.py --data {data} --phase {phase} --steps {steps} "
                 f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
+        if curve_every and curve_every != {defaults.curve_every}:
+            line += f" --curve_every {min(curve_every)}"
+        if curve_seeds != trained_seeds & set(defaults.curve_seeds):
+            line += " --curve_seeds" + "".join(f" {seed}" for seed in sorted(curve_seeds))
         if skip_linear:
             line += " --skip_linear"
         if variant != "recipe":

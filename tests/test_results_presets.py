@@ -176,8 +176,13 @@ def test_comparison_table_is_generated_from_the_log():
     assert compare.comparison_table(records, "shapes", "test") == "No test-phase run of the comparison on shapes is logged yet."
     blocks = compare.generated_blocks(records)
     assert blocks["commands"].splitlines()[1:3] == [
-        "python tests/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels",
-        "python tests/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --skip_linear"]
+        "python tests/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels "
+        "--curve_every 200 --curve_seeds 0 1",       # curves every 200 steps, for both seeds: not the defaults
+        "python tests/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --curve_every 200 "
+        "--skip_linear"]
+    without_curves = [{k: v for k, v in r.items() if k != "curve"} for r in records]
+    assert compare.generated_blocks(without_curves)["commands"].splitlines()[1].endswith(
+        "--rows vit_dino vit_random pixels --curve_seeds")    # seed 0 trained without its default curve
     text = "a\n<!-- compare.py:fashion_mnist_test -->\nold\n<!-- /compare.py -->\n<!-- results.py:test -->\nkept\n<!-- /results.py -->\n"
     refreshed = results.refresh(text, blocks, tag="compare.py")
     assert refreshed == text.replace("old", blocks["fashion_mnist_test"])
