@@ -54,6 +54,7 @@ import results  # noqa: E402  (tests/results.py: running a command, k-NN parsing
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
+README_MD = ROOT / "README.md"          # its "Results at a glance" holds the summary block
 TAG = "compare.py"
 
 STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch 128
@@ -330,6 +331,39 @@ def comparison_table(records, data, phase):
     return "\n".join(lines)
 
 
+# column: {backbone: its row}; a backbone without the method shows n/a
+SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"}, "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
+                   "SelfPatch": {"vit": "vit_selfpatch"}, "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
+                   "GLSD similarity": {"swin": "swin_glsd_similarity"}}
+
+
+def summary_table(records, data="fashion_mnist", phase="test", variant="recipe"):
+    """The README's glance at the comparison: per backbone, the random-init 20-NN and each method's
+    20-NN with its gain over random init, mean ± half-range over the seeds logged for both."""
+    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant) and "backbone" in r]
+    random_init = {(r["backbone"], r["seed"]): r["knn_top1"] for r in chosen if r.get("random_init")}
+    lines = ["| backbone | random init | " + " | ".join(SUMMARY_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(SUMMARY_COLUMNS)]
+    for backbone, flags in BACKBONES.items():
+        seeds = sorted(seed for b, seed in random_init if b == backbone)
+        if not seeds:
+            continue
+        cells = [f"{cell([random_init[(backbone, seed)] for seed in seeds])}"]
+        for rows in SUMMARY_COLUMNS.values():
+            if backbone not in rows:
+                cells.append("n/a")
+                continue
+            rs = [r for r in chosen if r["row"] == rows[backbone] and r["seed"] in seeds]
+            gains = [r["knn_top1"] - random_init[(backbone, r["seed"])] for r in rs]
+            gain = cell(gains)
+            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({'' if gain.startswith('-') else '+'}{gain})"
+                         if rs else "—")
+        lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
+    if len(lines) == 2:
+        return f"No {phase}-phase run of the comparison on {data} is logged yet."
+    return "\n".join(lines)
+
+
 def reproducing_commands(records):
     """One `python tests/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
     groups = {}
@@ -368,6 +402,7 @@ def reproducing_commands(records):
 def generated_blocks(records):
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
+    blocks["summary"] = summary_table(records)
     commands = reproducing_commands(records)
     blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
     return blocks
@@ -426,6 +461,10 @@ def main():
         refreshed = results.refresh(markdown, generated_blocks(records), tag=TAG)
         COMPARISON_MD.write_text(refreshed)
         print(f"{COMPARISON_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
+        readme = README_MD.read_text()
+        summary = results.refresh(readme, {"summary": generated_blocks(records)["summary"]}, tag=TAG)
+        README_MD.write_text(summary)
+        print(f"{README_MD.relative_to(ROOT)}: {'refreshed' if summary != readme else 'already up to date'}")
 
 
 if __name__ == "__main__":

@@ -198,6 +198,23 @@ def test_comparison_md_is_what_table_generates_from_the_log():
         "docs/COMPARISON.md is stale: run python tests/compare.py --table"
 
 
+def test_readme_summary_is_what_table_generates_from_the_log():
+    log = results.ROOT / "tests" / "compare_32px.jsonl"
+    records = results.read_log(log) if log.exists() else []
+    readme = (results.ROOT / "README.md").read_text()
+    assert "<!-- compare.py:summary -->" in readme
+    assert results.refresh(readme, {"summary": compare.summary_table(records)}, tag="compare.py") == readme, \
+        "README.md's comparison summary is stale: run python tests/compare.py --table"
+
+
+def test_summary_table_pairs_each_seed_with_its_own_random_init():
+    lines = compare.summary_table(fake_comparison_records()).splitlines()
+    assert lines[0].startswith("| backbone | random init | DINO | EsViT |")
+    # seeds 0 and 1: 60 and 62 against a random init of 50 in both
+    assert lines[2:] == ["| `vit_pico` | 50.0 ± 0.0 | 61.0 ± 1.0 (+11.0 ± 1.0) | — | — | — | n/a |"]
+    assert compare.summary_table([]) == "No test-phase run of the comparison on fashion_mnist is logged yet."
+
+
 def test_learning_curves_are_drawn_from_a_fake_log(tmp_path):
     records = fake_comparison_records()
     series = visualize.curve_series(records, "fashion_mnist", "test")
