@@ -391,11 +391,7 @@ def reproducing_commands(records):
             line += " --curve_seeds" + "".join(f" {seed}" for seed in sorted(curve_seeds))
         if skip_linear:
             line += " --skip_linear"
-        if variant != "recipe":
-            line += f" --variant {variant}"
-        if extra:
-            line += f' --extra "{extra}"'
-        lines.append(line)
+        lines.append(line + results.variant_flags(variant, extra))
     return lines
 
 
@@ -462,7 +458,7 @@ def main():
         COMPARISON_MD.write_text(refreshed)
         print(f"{COMPARISON_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
         readme = README_MD.read_text()
-        summary = results.refresh(readme, {"summary": generated_blocks(records)["summary"]}, tag=TAG)
+        summary = results.refresh(readme, {"summary": summary_table(records)}, tag=TAG)
         README_MD.write_text(summary)
         print(f"{README_MD.relative_to(ROOT)}: {'refreshed' if summary != readme else 'already up to date'}")
 

@@ -260,12 +260,14 @@ def reproducing_commands(records):
         line = f"python tests/results.py --runs {name} --phase {phase}"
         if name != "pixels":
             line += f" --seeds {' '.join(str(s) for s in sorted(seeds))}"
-        if variant != "recipe" or extra:
-            line += f" --variant {variant}"
-        if extra:
-            line += f' --extra "{extra}"'
-        lines.append(line)
+        lines.append(line + variant_flags(variant, extra))
     return lines
+
+
+def variant_flags(variant, extra):
+    """The command-line tail naming a logged variant and its extra flags ("" for the recipe)."""
+    tail = f" --variant {variant}" if variant != "recipe" or extra else ""
+    return tail + (f' --extra "{extra}"' if extra else "")
 
 
 def generated_blocks(records):
