@@ -20,6 +20,12 @@ CosineAnnealingLR), 100 epochs; cross-entropy. Train images: RandomResizedCrop
 (PyTorch defaults) + horizontal flip; validation images: Resize(256, bicubic) + CenterCrop(224).
 The paper sweeps the learning rate per model: --lr is the knob to tune.
 
+--precomputed_features true (not the paper's protocol; a cheap probe for small models on a CPU): the
+train images pass through the frozen backbone once, with the validation transform and no
+augmentation, and the classifier trains on those features for every epoch; the epochs then cost
+a pass over a feature matrix instead of a pass of the backbone. Same classifier, optimiser and
+schedule. The features of the whole train split are held in memory (images x dimensions floats).
+
 Where this file differs from the authors' eval_linear.py:
   * with --avgpool_patchtokens the authors' code interleaves CLS and patch-mean channels
     ([cls_0, avg_0, cls_1, avg_1, ...]); this file keeps that layout, so their linear weights load,
@@ -64,6 +70,9 @@ def get_args_parser():
     g.add_argument("--val_freq", default=1, type=common.POSITIVE_INT, help="validate every N epochs (and after the last)")
     g.add_argument("--num_labels", default=None, type=common.POSITIVE_INT,
                    help="number of classes (default: from the dataset)")
+    g.add_argument("--precomputed_features", default=False, type=common.bool_flag,
+                   help="extract the train features once (validation transform, no augmentation) and train the "
+                        "classifier on them: epochs cost seconds; not the paper's protocol (it augments every epoch)")
     common.add_eval_data_args(p)
     g = common.add_eval_run_args(p)
     g.add_argument("--output_dir", default=".", type=str,
@@ -134,6 +143,42 @@ def check_feature_args(model, args):
         return
     if not 1 <= args.n_last_blocks <= n_max:
         common.die(f"--n_last_blocks {args.n_last_blocks} is out of range: this backbone has {n_max} blocks")
+
+
+@torch.no_grad()
+def extract_features(model, dataset, args, device):
+    """The probe features and labels of every readable image of `dataset`, in dataset order, on every
+    process (each process extracts its share; the rows are exchanged), and how many were unreadable."""
+    loader, _ = common.make_loader(common.IndexedDataset(dataset, common.eval_transform(args.resize, args.crop)),
+                                   args.batch_size_per_gpu, args.num_workers, train=False)
+    features = labels = None
+    for images, batch_labels, index in common.progress(loader, desc="features"):
+        rows = probe_features(model, images.to(device), args).float()
+        rows, batch_labels, index = common.all_gather_rows(rows, batch_labels.to(device), index.to(device))
+        if features is None:
+            features = torch.zeros(len(dataset), rows.shape[1], device=device)
+            labels = torch.full((len(dataset),), common.SKIPPED, dtype=torch.long, device=device)
+        features[index], labels[index] = rows, batch_labels  # the sampler's padding rows repeat real images
+    readable = labels != common.SKIPPED
+    return features[readable], labels[readable], int((~readable).sum())
+
+
+class CachedFeatures:
+    """Batches of precomputed (features, labels) for one epoch: a new shuffle per (seed, epoch), an
+    equal share per process, the last incomplete batch dropped (as `common.make_loader` does)."""
+
+    def __init__(self, features, labels, batch_size, seed):
+        self.features, self.labels, self.batch_size, self.seed = features, labels, batch_size, seed
+        if len(features) < batch_size * common.get_world_size():
+            common.die(f"the train split has {len(features)} readable images, fewer than one batch "
+                       f"({batch_size} per process x {common.get_world_size()} processes); lower --batch_size_per_gpu")
+
+    def batches(self, epoch):
+        order = torch.randperm(len(self.features), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        share = len(order) // common.get_world_size()
+        order = order[common.get_rank() * share:(common.get_rank() + 1) * share].to(self.features.device)
+        return [(self.features[order[i:i + self.batch_size]], self.labels[order[i:i + self.batch_size]])
+                for i in range(0, share - self.batch_size + 1, self.batch_size)]
 
 
 class LinearClassifier(nn.Module):
@@ -283,9 +328,14 @@ def main(args):
     # ---- data: augmentations depend only on (seed, epoch, index)
     train_set, val_set = common.build_eval_splits(args)    # val labels numbered as train's classes
     num_labels = count_labels(train_set, args)
-    train_data = common.SeededDataset(train_set, train_transform(args.crop), seed=args.seed)
-    train_loader, sampler = common.make_loader(train_data, args.batch_size_per_gpu, args.num_workers,
-                                               train=True, seed=args.seed)
+    if args.precomputed_features:                        # the backbone's one pass over the train split
+        features, labels, unreadable = extract_features(model, train_set, args, device)
+        cached = CachedFeatures(features, labels, args.batch_size_per_gpu, args.seed)
+        common.log(f"precomputed {len(features)} train features ({features.numel() * 4 / 2**20:.0f} MB)")
+    else:
+        train_data = common.SeededDataset(train_set, train_transform(args.crop), seed=args.seed)
+        train_loader, sampler = common.make_loader(train_data, args.batch_size_per_gpu, args.num_workers,
+                                                   train=True, seed=args.seed)
     val_loader, _ = common.make_loader(common.IndexedDataset(val_set, common.eval_transform(args.resize, args.crop)),
                                        args.batch_size_per_gpu, args.num_workers, train=False)
     common.log(f"data: {len(train_set)} train and {len(val_set)} val images, {num_labels} classes; "
@@ -303,20 +353,27 @@ def main(args):
     if ckpt_path.exists():
         ckpt = common.load_checkpoint(ckpt_path)
         check_same_weights(ckpt, identity, ckpt_path)
+        if ckpt["args"].get("precomputed_features", False) != args.precomputed_features:
+            common.die(f"{ckpt_path} holds a probe trained with --precomputed_features "
+                       f"{str(not args.precomputed_features).lower()}: resume it with that setting, or use another --output_dir")
         common.restore(ckpt, linear=classifier, optimizer=optimizer)
         start_epoch, best_top1 = ckpt["epoch"], ckpt["best_top1"]
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far {best_top1:.2f}%)")
 
     common.save_args(args)                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
         for group in optimizer.param_groups:
             group["lr"] = float(lr_schedule[epoch])
-        record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, args, device)
+        if args.precomputed_features:   # the features are the input: the "backbone" is the identity
+            record = train_one_epoch(nn.Identity(), classifier, cached.batches(epoch), optimizer, epoch, args, device)
+        else:
+            sampler.set_epoch(epoch)
+            record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, args, device)
         if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
             record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
             best_top1 = max(best_top1, record["val_top1"])
-        record.update(epoch=epoch, best_top1=best_top1, skipped_images=common.skipped_images(train_data, device))
+        skipped = unreadable if args.precomputed_features else common.skipped_images(train_data, device)
+        record.update(epoch=epoch, best_top1=best_top1, skipped_images=skipped)
         if common.is_main_process():
             common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(), "optimizer": optimizer.state_dict(),
                                     "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args), "backbone": {**info, **identity}},

@@ -5,6 +5,7 @@ difference from the DINO row of its backbone is what the method adds. Not collec
     python tests/compare.py --phase val --seeds 0 1                     # choose: the held-out 10000 train images
     python tests/compare.py --phase test --seeds 0 1                    # report: once per final setting
     python tests/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
+    python tests/compare.py --phase test --seeds 0 1 --add_linear       # probe the logged rows' checkpoints
     python tests/compare.py --table                                     # refresh docs/COMPARISON.md from the log
 
 Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
@@ -22,7 +23,7 @@ steps is kept for the learning curve.
 
 Columns, per row and seed (one JSON line each in --log, with every command that produced it):
   knn_top1        eval_knn.py, 20-NN, T = 0.07, 32 px; bank: the train split (val: the other 50000)
-  linear_top1     eval_linear.py, LINEAR flags (a short probe: cheap on a CPU, not the paper's 100 epochs)
+  linear_top1     eval_linear.py, LINEAR flags (100 epochs on features extracted once, no augmentation)
   correspondence  extras/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images: `esvit`
                   (a view and its flip) and `overlap` (two overlapping crops), top-10 and all-token accuracy
   collapse        extras/teacher_outputs.py on 2000 images: per-image teacher entropy h and entropy of
@@ -39,6 +40,8 @@ second datasets only check that settings chosen on Fashion-MNIST's validation sp
 they run the test phase only.
 """
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -54,7 +57,8 @@ import results  # noqa: E402  (tests/results.py: running a command, k-NN parsing
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
-README_MD = ROOT / "README.md"          # its "Results at a glance" holds the summary block
+# the summary block of the comparison is also in the README's "Results at a glance" and in RESULTS.md
+SUMMARY_FILES = (ROOT / "README.md", ROOT / "docs" / "RESULTS.md")
 TAG = "compare.py"
 
 STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch 128
@@ -93,10 +97,9 @@ DATA = {   # name: (dataset flags, held-out images for the val phase or None)
     "fashion_mnist_8k": ("--dataset folder --data_path {data_dir}/fashion_mnist_8k", None),
 }
 EVAL = "--resize 32 --crop 32 --num_workers 1"
-# A short probe at the authors' lr (0.001 per 256 images). Not yet informative: on a vit_pico teacher
-# whose 20-NN is 51.5%, two epochs gave 16.6% (lr 0.001), 17.8% (0.01) and 20.4% (0.1, train loss 5.5):
-# the LayerNorm features (squared norm about 256, most of it shared by every image) need many more steps.
-LINEAR = "--epochs 2 --val_freq 2 --lr 0.001 --batch_size_per_gpu 256"
+# The authors' 100 epochs, on features extracted once (no augmentation: the epochs cost seconds, not
+# a pass of the backbone each). The lr was chosen on the val phase (docs/COMPARISON.md, "Columns").
+LINEAR = "--precomputed_features true --epochs 100 --val_freq 100 --lr 1.0 --batch_size_per_gpu 256"
 CORRESPONDENCE_IMAGES = 500
 
 
@@ -209,6 +212,14 @@ class Evaluator:
                                          "--pretrained_weights", str(weights)], "teacher_outputs.txt"))
 
 
+def row_paths(row, args, seed):
+    """A row's output folder and the checkpoint it is evaluated on (a random-init row: its DINO row's)."""
+    work = Path(args.work_dir) / args.data
+    out = work / f"{row}_{args.variant}_{args.phase}_seed{seed}"
+    trained = work / f"{RANDOM_ROWS.get(row, row)}_{args.variant}_{args.phase}_seed{seed}"
+    return out, trained / "checkpoint.pth"
+
+
 def run_row(row, args, seed):
     """Train (unless a random-init or pixel row) and evaluate one row for one seed: its JSON record."""
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
@@ -216,8 +227,7 @@ def run_row(row, args, seed):
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
         return {**record, "knn_top1": pixels_knn(data)}
-    work = Path(args.work_dir) / args.data
-    out = work / f"{row}_{args.variant}_{args.phase}_seed{seed}"
+    out, weights = row_paths(row, args, seed)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "checkpoint.pth").exists() or (out / "linear").exists():
         sys.exit(f"error: {out} holds an earlier run of this row: move it away, or log a --variant")
@@ -225,7 +235,6 @@ def run_row(row, args, seed):
     record["backbone"] = METHOD_FLAGS[RANDOM_ROWS.get(row, row)][0]
     if row in RANDOM_ROWS:
         record["random_init"] = True
-        weights = work / f"{RANDOM_ROWS[row]}_{args.variant}_{args.phase}_seed{seed}" / "checkpoint.pth"
         if not weights.is_file():
             sys.exit(f"error: {row} is evaluated on {RANDOM_ROWS[row]}'s checkpoint of seed {seed}, which is "
                      f"missing ({weights}): run that row first")
@@ -244,7 +253,6 @@ def run_row(row, args, seed):
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
-    weights = out / "checkpoint.pth"
     record.update(knn_top1=evaluate.knn(weights), correspondence=evaluate.correspondence(weights),
                   **evaluate.collapse(weights))
     if not args.skip_linear:
@@ -261,6 +269,45 @@ def run_row(row, args, seed):
                                     ["overlap"]["accuracy"]})
     return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
             "cpu_seconds": evaluate.cpu_seconds}
+
+
+@contextlib.contextmanager
+def locked(log):
+    """The log, held by this process alone (processes of other seeds append to it or rewrite it)."""
+    with open(log, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def add_linear(row, args, seed):
+    """The linear probe of a logged row run with --skip_linear, on its kept checkpoint: written into
+    its log line, with the command and its cost."""
+    key = (args.data, row, args.variant, args.phase, seed)
+    logged = [r for r in results.read_log(args.log) if (r["data"], r["row"], r["variant"], r["phase"], r["seed"]) == key]
+    if len(logged) != 1 or "linear_top1" in logged[0]:
+        return None      # not logged (or twice), or already probed
+    out, weights = row_paths(row, args, seed)
+    if not weights.is_file():
+        sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it cannot be probed")
+    if (out / "linear").exists():
+        sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
+    evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
+    top1 = evaluate.linear(weights, random_init=row in RANDOM_ROWS)
+    with locked(args.log):
+        lines = Path(args.log).read_text().splitlines()
+        for i, line in enumerate(lines):
+            r = json.loads(line) if line.strip() else {}
+            if (r.get("data"), r.get("row"), r.get("variant"), r.get("phase"), r.get("seed")) == key:
+                r["linear_top1"] = top1
+                r["commands"] = r.get("commands", []) + evaluate.commands
+                for kind in ("wall_seconds", "cpu_seconds"):
+                    r[kind] = {**r.get(kind, {}), **getattr(evaluate, kind)}
+                lines[i] = json.dumps(r)
+        Path(args.log).write_text("\n".join(lines) + "\n")
+    return top1
 
 
 def pixels_knn(data):
@@ -418,6 +465,9 @@ def get_args_parser():
     p.add_argument("--curve_seeds", nargs="*", type=int, default=[0], help="seeds whose kept checkpoints are evaluated")
     p.add_argument("--skip_linear", action="store_true",
                    help="no linear probe (its column shows —): about a fifth of a row's CPU time")
+    p.add_argument("--add_linear", action="store_true",
+                   help="train nothing: probe the kept checkpoints of the logged --rows and --seeds that have no "
+                        "linear top-1 yet (run with --skip_linear), and write it into their log lines")
     p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
     p.add_argument("--work_dir", default="runs/compare", help="output directories of the runs")
@@ -438,6 +488,13 @@ def main():
     if args.data == "fashion_mnist_8k" and rows:
         write_fashion_mnist_8k(args.data_dir)
     logged = results.read_log(args.log) if Path(args.log).exists() else []
+    if args.add_linear:
+        for row in [r for r in (args.rows or ROWS) if r != "pixels"]:
+            for seed in args.seeds:
+                top1 = add_linear(row, args, seed)
+                if top1 is not None:
+                    print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: linear {top1:.2f}%", flush=True)
+        rows = []
     for row in rows:
         # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0
         pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)
@@ -445,7 +502,7 @@ def main():
             record = run_row(row, args, seed)
             if args.extra:
                 record["extra"] = args.extra
-            with open(args.log, "a") as f:
+            with locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN {record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")
@@ -457,10 +514,11 @@ def main():
         refreshed = results.refresh(markdown, generated_blocks(records), tag=TAG)
         COMPARISON_MD.write_text(refreshed)
         print(f"{COMPARISON_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
-        readme = README_MD.read_text()
-        summary = results.refresh(readme, {"summary": summary_table(records)}, tag=TAG)
-        README_MD.write_text(summary)
-        print(f"{README_MD.relative_to(ROOT)}: {'refreshed' if summary != readme else 'already up to date'}")
+        for path in SUMMARY_FILES:
+            text = path.read_text()
+            summary = results.refresh(text, {"summary": summary_table(records)}, tag=TAG)
+            path.write_text(summary)
+            print(f"{path.relative_to(ROOT)}: {'refreshed' if summary != text else 'already up to date'}")
 
 
 if __name__ == "__main__":

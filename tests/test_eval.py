@@ -350,6 +350,36 @@ def test_linear_probe_learns_separable_features():
     assert after["val_loss"] < before["val_loss"] and record["train_loss"] < 0.5
 
 
+def test_cached_feature_batches_shuffle_per_epoch_and_drop_the_last():
+    features, labels = torch.arange(70.0)[:, None].repeat(1, 3), torch.arange(70) % 7
+    cached = eval_linear.CachedFeatures(features, labels, 16, seed=3)
+    epochs = [cached.batches(epoch) for epoch in range(3)]
+    for batches in epochs:
+        assert [len(x) for x, _ in batches] == [16] * 4                  # 70 images: 4 full batches
+        rows = torch.cat([x[:, 0] for x, _ in batches]).long()
+        assert len(set(rows.tolist())) == 64                             # no image twice in an epoch
+        assert torch.equal(torch.cat([y for _, y in batches]), rows % 7)  # each feature keeps its label
+    assert [x.tolist() for x, _ in epochs[0]] == [x.tolist() for x, _ in cached.batches(0)]   # (seed, epoch) decides
+    assert epochs[0][0][0].tolist() != epochs[1][0][0].tolist()
+    with pytest.raises(SystemExit, match="fewer than one batch"):
+        eval_linear.CachedFeatures(features[:10], labels[:10], 16, seed=0)
+
+
+def test_extracted_features_are_the_probe_features_of_the_eval_crops():
+    torch.manual_seed(0)
+    vit = common.build_backbone("vit_pico", patch_size=4, img_size=32).eval()
+    dataset = common.build_dataset(eval_linear.get_args_parser().parse_args(DATA), train=True)
+    args = eval_linear.get_args_parser().parse_args(["--n_last_blocks", "2", *DATA])
+    features, labels, unreadable = eval_linear.extract_features(vit, dataset, args, torch.device("cpu"))
+    assert features.shape == (70, 128) and unreadable == 0
+    transform = common.eval_transform(32, 32)
+    for i in (0, 33, 69):
+        image, label = dataset[i]
+        expected = eval_linear.vit_features(vit, transform(image)[None], 2)[0]
+        torch.testing.assert_close(features[i], expected, rtol=1e-4, atol=1e-5)
+        assert labels[i] == label
+
+
 # ================================================================================================
 # Both scripts end to end
 # ================================================================================================
@@ -402,6 +432,29 @@ def test_eval_linear_end_to_end_and_resume(dino_run, tmp_path):
     assert not torch.equal(first["linear"]["linear.weight"], second["linear"]["linear.weight"])
     lr = 0.001 * 8 / 256
     assert [r["lr"] for r in records] == pytest.approx([lr, lr / 2])  # cosine over the resumed run's 2 epochs
+
+
+def test_eval_linear_on_precomputed_features(dino_run, tmp_path):
+    out = tmp_path / "cached"
+
+    def flags(precomputed, epochs):
+        return ["--pretrained_weights", str(dino_run / "teacher_backbone.pth"), "--arch", "vit_pico", "--n_last_blocks",
+                "1", "--precomputed_features", precomputed, "--epochs", str(epochs), "--val_freq", "3",
+                "--output_dir", str(out), *DATA]
+    best = eval_linear.main(eval_linear.get_args_parser().parse_args(flags("true", 3)))
+    records = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1, 2] and best == records[-1]["best_top1"]
+    assert all(r["train_loss"] > 0 and r["skipped_images"] == 0 for r in records)
+    # a probe trained on precomputed features is not resumed on augmented crops
+    with pytest.raises(SystemExit, match="--precomputed_features true"):
+        eval_linear.main(eval_linear.get_args_parser().parse_args(flags("false", 4)))
+    # two processes (torchrun, gloo): each extracts its share of the features, every process gets all 70
+    out = tmp_path / "cached_two"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "eval_linear.py", *flags("true", 2)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "precomputed 70 train features" in proc.stdout
+    assert [json.loads(line)["epoch"] for line in (out / "log.txt").read_text().splitlines()] == [0, 1]
 
 
 # ================================================================================================

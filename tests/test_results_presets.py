@@ -189,6 +189,41 @@ def test_comparison_table_is_generated_from_the_log():
     assert results.refresh(refreshed, compare.generated_blocks(records), tag="compare.py") == refreshed
 
 
+def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch):
+    """--add_linear probes a logged row's kept checkpoint (a random-init row: its DINO row's) and
+    rewrites that line only; a row already probed, or not logged, is left alone."""
+    log, work = tmp_path / "log.jsonl", tmp_path / "work"
+    records = [r for r in fake_comparison_records() if r["phase"] == "test"]
+    for r in records:
+        r.pop("linear_top1", None)
+        r.update(commands=["python train"], wall_seconds={"train": 1.0}, cpu_seconds={"train": 2.0})
+    records[0]["linear_top1"] = 70.0                               # vit_dino seed 0: already probed
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for seed in (0, 1):
+        folder = work / "fashion_mnist" / f"vit_dino_recipe_test_seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "checkpoint.pth").write_bytes(b"")
+    probed = []
+
+    def fake_linear(self, weights, random_init=False):
+        probed.append((weights.parent.name, self.out.name, random_init))
+        self.commands.append("python eval_linear.py")
+        self.wall_seconds["linear"] = self.cpu_seconds["linear"] = 3.0
+        return 33.0 + len(probed)
+    monkeypatch.setattr(compare.Evaluator, "linear", fake_linear)
+    args = compare.get_args_parser().parse_args(["--phase", "test", "--log", str(log), "--work_dir", str(work)])
+    assert [compare.add_linear(row, args, seed) for row in ("vit_dino", "vit_random", "swin_dino") for seed in (0, 1)] \
+        == [None, 34.0, 35.0, 36.0, None, None]
+    assert probed == [("vit_dino_recipe_test_seed1", "vit_dino_recipe_test_seed1", False),
+                      ("vit_dino_recipe_test_seed0", "vit_random_recipe_test_seed0", True),
+                      ("vit_dino_recipe_test_seed1", "vit_random_recipe_test_seed1", True)]
+    after = results.read_log(log)
+    assert [r.get("linear_top1") for r in after] == [70.0, 35.0, 34.0, 36.0, None]
+    assert after[1]["commands"] == ["python train", "python eval_linear.py"]
+    assert after[1]["cpu_seconds"] == {"train": 2.0, "linear": 3.0}
+    assert after[4] == records[4]                                 # the pixel row is untouched
+
+
 def test_comparison_md_is_what_table_generates_from_the_log():
     log = results.ROOT / "tests" / "compare_32px.jsonl"
     records = results.read_log(log) if log.exists() else []
@@ -198,13 +233,15 @@ def test_comparison_md_is_what_table_generates_from_the_log():
         "docs/COMPARISON.md is stale: run python tests/compare.py --table"
 
 
-def test_readme_summary_is_what_table_generates_from_the_log():
+@pytest.mark.parametrize("path", compare.SUMMARY_FILES, ids=lambda p: p.name)
+def test_summaries_are_what_table_generates_from_the_log(path):
+    """README's "Results at a glance" and docs/RESULTS.md hold the comparison's summary block."""
     log = results.ROOT / "tests" / "compare_32px.jsonl"
     records = results.read_log(log) if log.exists() else []
-    readme = (results.ROOT / "README.md").read_text()
-    assert "<!-- compare.py:summary -->" in readme
-    assert results.refresh(readme, {"summary": compare.summary_table(records)}, tag="compare.py") == readme, \
-        "README.md's comparison summary is stale: run python tests/compare.py --table"
+    text = path.read_text()
+    assert "<!-- compare.py:summary -->" in text
+    assert results.refresh(text, {"summary": compare.summary_table(records)}, tag="compare.py") == text, \
+        f"{path.name}'s comparison summary is stale: run python tests/compare.py --table"
 
 
 def test_summary_table_pairs_each_seed_with_its_own_random_init():
