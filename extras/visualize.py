@@ -209,13 +209,17 @@ CURVES = (("knn_top1", "20-NN top-1 (%)"), ("overlap_accuracy", "overlap: all-to
 
 def curve_series(records, data, phase, variant="recipe"):
     """{row: [(step, {metric: mean over seeds}), ...]} of the trained rows of one comparison, over the
-    seeds that logged a curve: step 0 is the random-init record of the same backbone and seed, then the
-    kept checkpoints, then the final one."""
+    seeds that logged a curve: step 0 is the random-init record of the same backbone and seed (of any
+    variant: the initialisation depends on the seed only), then the kept checkpoints, then the final one."""
     def point(step, record):
         return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
 
-    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant) and "backbone" in r]
-    random_init = {(r["backbone"], r["seed"]): r for r in chosen if r.get("random_init")}
+    same = [r for r in records if (r["data"], r["phase"]) == (data, phase) and "backbone" in r]
+    chosen = [r for r in same if r["variant"] == variant]
+    random_init = {}
+    for r in same:
+        if r.get("random_init"):
+            random_init.setdefault((r["backbone"], r["seed"]), r)
     series = {}
     for r in chosen:
         if "curve" not in r:

@@ -259,6 +259,10 @@ def test_learning_curves_are_drawn_from_a_fake_log(tmp_path):
     assert series == {"vit_dino": [(0, {"knn_top1": 50.0, "overlap_accuracy": 10.0}),
                                    (200, {"knn_top1": 56.0, "overlap_accuracy": 15.0}),
                                    (400, {"knn_top1": 61.0, "overlap_accuracy": 20.0})]}
+    longer = [{**r, "variant": "steps800", "steps": 800} for r in records if r["row"] == "vit_dino" and r["seed"] == 0]
+    assert visualize.curve_series(records + longer, "fashion_mnist", "test", "steps800")["vit_dino"][::2] == [
+        (0, {"knn_top1": 50.0, "overlap_accuracy": 10.0}),        # the random init of the recipe's rows
+        (800, {"knn_top1": 60.0, "overlap_accuracy": 20.0})]
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "curves.png"
