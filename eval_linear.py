@@ -320,6 +320,15 @@ def main(args):
                                        args.window_size, args.random_init, args.crop)
     common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
     identity = weights_identity(model, args)
+
+    # ---- a probe to resume from output_dir/linear_checkpoint.pth: refused before any data work if it is another's
+    ckpt_path = Path(args.output_dir) / "linear_checkpoint.pth"
+    ckpt = common.load_checkpoint(ckpt_path) if ckpt_path.exists() else None
+    if ckpt is not None:
+        check_same_weights(ckpt, identity, ckpt_path)
+        if ckpt["args"].get("precomputed_features", False) != args.precomputed_features:
+            common.die(f"{ckpt_path} holds a probe trained with --precomputed_features "
+                       f"{str(not args.precomputed_features).lower()}: resume it with that setting, or use another --output_dir")
     model.to(device)
     check_feature_args(model, args)
     with torch.no_grad():
@@ -348,14 +357,9 @@ def main(args):
     optimizer = torch.optim.SGD(classifier.parameters(), lr=0, momentum=0.9, weight_decay=0)
     lr_schedule = common.cosine_scheduler(args.lr * total_batch / 256, 0, args.epochs, 1)  # one value per epoch
 
-    # ---- resume from output_dir/linear_checkpoint.pth when it exists
-    start_epoch, best_top1, ckpt_path = 0, 0.0, Path(args.output_dir) / "linear_checkpoint.pth"
-    if ckpt_path.exists():
-        ckpt = common.load_checkpoint(ckpt_path)
-        check_same_weights(ckpt, identity, ckpt_path)
-        if ckpt["args"].get("precomputed_features", False) != args.precomputed_features:
-            common.die(f"{ckpt_path} holds a probe trained with --precomputed_features "
-                       f"{str(not args.precomputed_features).lower()}: resume it with that setting, or use another --output_dir")
+    # ---- resume
+    start_epoch, best_top1 = 0, 0.0
+    if ckpt is not None:
         common.restore(ckpt, linear=classifier, optimizer=optimizer)
         start_epoch, best_top1 = ckpt["epoch"], ckpt["best_top1"]
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far {best_top1:.2f}%)")
