@@ -159,6 +159,8 @@ def extract_features(model, dataset, args, device):
             features = torch.zeros(len(dataset), rows.shape[1], device=device)
             labels = torch.full((len(dataset),), common.SKIPPED, dtype=torch.long, device=device)
         features[index], labels[index] = rows, batch_labels  # the sampler's padding rows repeat real images
+    if features is None:
+        common.die("the train split has no images: there is nothing to train a linear probe on")
     readable = labels != common.SKIPPED
     return features[readable], labels[readable], int((~readable).sum())
 
@@ -326,7 +328,7 @@ def main(args):
     ckpt = common.load_checkpoint(ckpt_path) if ckpt_path.exists() else None
     if ckpt is not None:
         check_same_weights(ckpt, identity, ckpt_path)
-        if ckpt["args"].get("precomputed_features", False) != args.precomputed_features:
+        if ckpt.get("args", {}).get("precomputed_features", False) != args.precomputed_features:
             common.die(f"{ckpt_path} holds a probe trained with --precomputed_features "
                        f"{str(not args.precomputed_features).lower()}: resume it with that setting, or use another --output_dir")
     model.to(device)

@@ -282,11 +282,16 @@ def locked(log):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def log_key(record):
+    """What names a row's line in the log: (data, row, variant, phase, seed)."""
+    return tuple(record.get(k) for k in ("data", "row", "variant", "phase", "seed"))
+
+
 def add_linear(row, args, seed):
     """The linear probe of a logged row run with --skip_linear, on its kept checkpoint: written into
     its log line, with the command and its cost."""
     key = (args.data, row, args.variant, args.phase, seed)
-    logged = [r for r in results.read_log(args.log) if (r["data"], r["row"], r["variant"], r["phase"], r["seed"]) == key]
+    logged = [r for r in results.read_log(args.log) if log_key(r) == key]
     if len(logged) != 1 or "linear_top1" in logged[0]:
         return None      # not logged (or twice), or already probed
     out, weights = row_paths(row, args, seed)
@@ -300,7 +305,7 @@ def add_linear(row, args, seed):
         lines = Path(args.log).read_text().splitlines()
         for i, line in enumerate(lines):
             r = json.loads(line) if line.strip() else {}
-            if (r.get("data"), r.get("row"), r.get("variant"), r.get("phase"), r.get("seed")) == key:
+            if log_key(r) == key:
                 r["linear_top1"] = top1
                 r["commands"] = r.get("commands", []) + evaluate.commands
                 for kind in ("wall_seconds", "cpu_seconds"):
@@ -489,6 +494,8 @@ def main():
         write_fashion_mnist_8k(args.data_dir)
     logged = results.read_log(args.log) if Path(args.log).exists() else []
     if args.add_linear:
+        if not Path(args.log).is_file():
+            sys.exit(f"error: --add_linear probes the rows logged in --log {args.log}, which does not exist")
         for row in [r for r in (args.rows or ROWS) if r != "pixels"]:
             for seed in args.seeds:
                 top1 = add_linear(row, args, seed)
