@@ -1095,7 +1095,6 @@ def build_eval_splits(args):
     return train, match_classes(train, build_dataset(args, train=False))
 
 
-
 # ================================================================================================
 # 5. Distributed
 # ================================================================================================
@@ -1580,7 +1579,7 @@ def load_checkpoint(path):
 # Arguments that may differ when a run is resumed: where and how it runs, not what it learns.
 # --epochs may change too (the schedules follow the new length), but not below the epochs done.
 RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_images", "saveckp_freq",
-                 "save_every_iters", "precision", "monitor_correspondence", "val_subset", "allow_changed_args"}
+                 "save_every_iters", "precision", "val_subset", "allow_changed_args"}
 
 
 def check_crop_sizes(args):
@@ -1605,14 +1604,6 @@ def check_scale_range(flag, scale):
     """An area range (min, max) of RandomResizedCrop: reversed, torch fails only in the first batch."""
     if scale[0] > scale[1]:
         die(f"{flag} {scale[0]} {scale[1]} is reversed: give the smallest area first, e.g. {flag} {scale[1]} {scale[0]}")
-
-
-def check_eval_crop(crop, arch, patch_size):
-    """Evaluation crops: a ViT needs whole patches (a Swin pads its token maps, which DRLoc's
-    small-image runs rely on)."""
-    if ARCHS[arch]["family"] == "vit" and crop % patch_size:
-        die(f"--crop {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
-            f"use e.g. {max(patch_size, crop // patch_size * patch_size)}")
 
 
 def start_training(args, method):
@@ -2057,40 +2048,6 @@ def add_run_args(parser, saveckp_freq=20):
 # ================================================================================================
 # 9. Evaluation: one loader for every checkpoint, shared arguments, features by dataset index
 # ================================================================================================
-def add_weights_args(parser):
-    """The pretrained model to evaluate (eval_knn.py, eval_linear.py and the extras)."""
-    g = parser.add_argument_group("pretrained model")
-    g.add_argument("--pretrained_weights", default="", type=str,
-                   help="checkpoint.pth of any method of this repository, its teacher_backbone.pth, a "
-                        "released DINO ViT file, or a released EsViT / GLSD Swin checkpoint")
-    g.add_argument("--checkpoint_key", default="teacher", type=str,
-                   help="which network of a full checkpoint to evaluate (teacher or student)")
-    g.add_argument("--random_init", action="store_true",
-                   help="evaluate the architecture at random initialisation instead (a baseline; with "
-                        "--pretrained_weights, the architecture of that checkpoint)")
-    g.add_argument("--arch", default="vit_small", choices=list(ARCHS),
-                   help="architecture of a plain state dict (full checkpoints record their own)")
-    g.add_argument("--patch_size", default=16, type=POSITIVE_INT, help="ViT patch size of a plain state dict")
-    g.add_argument("--window_size", default=7, type=POSITIVE_INT, help="Swin window size of a plain state dict")
-    return g
-
-
-def add_eval_data_args(parser, batch_size=128):
-    g = add_data_args(parser)
-    g.add_argument("--resize", default=256, type=POSITIVE_INT, help="shorter side after resizing (bicubic)")
-    g.add_argument("--crop", default=224, type=POSITIVE_INT, help="side of the center crop; for small datasets, "
-                                                          "e.g. --resize 64 --crop 64 on 64-px images")
-    g.add_argument("--batch_size_per_gpu", default=batch_size, type=POSITIVE_INT, help="images per process")
-    return g
-
-
-def add_eval_run_args(parser):
-    g = parser.add_argument_group("run")
-    g.add_argument("--device", default="auto",
-                   help="auto (CUDA when present), cpu, cuda, or cuda:N (one process only: under torchrun each "
-                        "process takes the GPU of its LOCAL_RANK)")
-    g.add_argument("--seed", default=0, type=COUNT, help="seeds --random_init (and eval_linear's data order)")
-    return g
 
 
 class ClassAttentionBlock(nn.Module):
@@ -2141,20 +2098,6 @@ class ClassAttentionPool(nn.Module):
         return self.norm(self.summarize(tokens))
 
 
-class PooledViT(nn.Module):
-    """SelfPatch's network for evaluation: `model(x)` is the image token of the aggregation module
-    over the raw tokens of the CLS-free ViT [B, D] (before the heads). Key names `backbone.*` and
-    `ca_head.*` as in SelfPatch's checkpoints."""
-
-    def __init__(self, backbone, ca_head):
-        super().__init__()
-        self.backbone, self.ca_head = backbone, ca_head
-
-    def forward(self, images):
-        _, grid = self.backbone.forward_dense(images, norm=False)
-        return self.ca_head.image_token(grid.flatten(1, 2))
-
-
 def backbone_record(backbone, image_token="backbone"):
     """What a checkpoint stores (its "backbone" entry) so that `load_backbone` rebuilds the network
     without the method file: `build_backbone`'s arguments, and where the image feature comes from:
@@ -2162,350 +2105,8 @@ def backbone_record(backbone, image_token="backbone"):
     return {**backbone.build_config, "image_token": image_token}
 
 
-def recorded_backbone(ckpt):
-    """A full checkpoint's backbone record; checkpoints written before records existed give theirs
-    from their args (SelfPatch's: the CLS-free ViT and its aggregation module)."""
-    if "backbone" in ckpt:
-        return ckpt["backbone"]
-    args = ckpt["args"]
-    record = dict(arch=args["arch"], patch_size=args.get("patch_size", 16), window_size=args.get("window_size", 7),
-                  img_size=args.get("global_crop_size") or args.get("input_size") or 224)
-    if ckpt["method"] == "selfpatch":
-        record.update(class_token=False, final_norm=False, image_token="ca_head")
-    return record
-
-
-def backbone_state_dict(state_dict):
-    """The backbone entries of a checkpoint's state dict, renamed to timm's keys, and the names of
-    the entries left out.
-
-    `module.` (DistributedDataParallel) is removed. If some keys start with `backbone.` (a model
-    wrapper, as in this repository and the DINO authors' checkpoints), only those are kept. Heads
-    (`head*`, which EsViT attaches to the backbone itself) and the official Swin's buffers
-    (relative_position_index, attn_mask; timm recomputes them) are left out. The official Swin
-    merges patches at the end of a stage, timm at the start of the next one, so the official
-    `layers.{i}.downsample` becomes `layers.{i+1}.downsample`.
-    """
-    state = {k.removeprefix("module."): v for k, v in state_dict.items()}
-    ignored = []
-    if any(k.startswith("backbone.") for k in state):
-        ignored += [k for k in state if not k.startswith("backbone.")]
-        state = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-    for k in list(state):
-        if k.split(".")[0].startswith("head") or k.endswith((".relative_position_index", ".attn_mask")):
-            ignored.append(k)
-            del state[k]
-    if any(k.startswith("layers.0.downsample.") for k in state):  # the official Swin stage layout
-        state = {re.sub(r"^layers\.(\d+)\.downsample\.", lambda m: f"layers.{int(m[1]) + 1}.downsample.", k): v
-                 for k, v in state.items()}
-    return state, ignored
-
-
-def plain_state_shape(state, window_size, crop):
-    """(window sizes, image size) to rebuild a plain backbone state dict: a ViT's image size from its
-    position table (patch grid x patch), a Swin's windows from its relative-position tables (one
-    per stage; the evaluation crop is taken as its image size). Without a state dict (a random
-    initialisation), `window_size` and the evaluation crop."""
-    state = backbone_state_dict(state)[0] if isinstance(state, dict) else {}
-    if "pos_embed" in state and "patch_embed.proj.weight" in state:
-        n = state["pos_embed"].shape[1] - ("cls_token" in state)
-        return window_size, math.isqrt(n) * state["patch_embed.proj.weight"].shape[-1]
-    tables = sorted((k, v) for k, v in state.items() if k.endswith("blocks.0.attn.relative_position_bias_table"))
-    if tables:
-        return tuple((math.isqrt(v.shape[0]) + 1) // 2 for _, v in tables), crop
-    return window_size, crop
-
-
-def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=16, window_size=7,
-                  random_init=False, crop=224):
-    """A frozen network in eval mode whose `model(x)` is the global feature [B, D], and a dict
-    describing it (method, arch, patch_size, window_size).
-
-    `path` is one of: this repository's checkpoint.pth (any method; the network is rebuilt from its
-    "backbone" record, the weights come from `checkpoint_key`), a plain backbone state dict
-    (teacher_backbone.pth, a released DINO ViT file; the architecture comes from the arguments, the
-    image size and windows from the weights' tables: `plain_state_shape`), or
-    a released EsViT / GLSD checkpoint (`checkpoint_key` entry with wrapper prefixes and the official
-    Swin layout). With `random_init` the weights are not loaded (the architecture still comes from
-    `path`, if any). SelfPatch's network is a `PooledViT`: its image token, not a CLS token.
-    """
-    ckpt = None
-    if path:
-        if not Path(path).is_file():
-            die(f"--pretrained_weights {path} is not a file")
-        ckpt = load_checkpoint(path)
-    elif not random_init:
-        die("give --pretrained_weights (a checkpoint to evaluate) or --random_init (a baseline)")
-    full = isinstance(ckpt, dict) and "args" in ckpt and "method" in ckpt  # written by this repository
-    if full and ckpt["method"] == "drloc" and checkpoint_key == "teacher":
-        checkpoint_key = "model"       # DRLoc trains one supervised network
-    state = ckpt
-    if isinstance(ckpt, dict) and checkpoint_key in ckpt:
-        state = ckpt[checkpoint_key]
-    elif full or (isinstance(ckpt, dict) and {"teacher", "student"} & set(ckpt)):
-        die(f"--checkpoint_key {checkpoint_key!r} is not in {path}; it has: {', '.join(map(str, ckpt))}")
-    if full:
-        record = recorded_backbone(ckpt)
-    else:
-        check_eval_crop(crop, arch, patch_size)     # the evaluation's own message, before building at `crop`
-        window_size, img_size = plain_state_shape(state, window_size, crop)
-        record = dict(arch=arch, patch_size=patch_size, window_size=window_size, img_size=img_size)
-    build = {k: v for k, v in record.items() if k != "image_token"}
-    # method: the method of this repository that wrote the checkpoint, or "external" (a plain state
-    # dict, an authors' checkpoint), or "random" (no file)
-    method = ckpt["method"] if full else "random" if ckpt is None else "external"
-    info = {"method": method, "arch": build["arch"], "patch_size": build["patch_size"],
-            "window_size": build["window_size"]}
-
-    backbone = build_backbone(**build, drop_path_rate=0.0)
-    if record.get("image_token") == "ca_head":  # SelfPatch: the aggregation module's image token
-        model = PooledViT(backbone, ClassAttentionPool(backbone.num_features, backbone.blocks[0].attn.num_heads))
-        if not random_init:
-            state = {k: v for k, v in state.items() if k.startswith(("backbone.", "ca_head."))}  # not the heads
-            load_state_dict_strict(model, state, what=f"{method} {checkpoint_key} backbone and aggregation module")
-    else:
-        model = backbone
-        if state is not None and not random_init:
-            state, ignored = backbone_state_dict(state)
-            if ignored:
-                log(f"the backbone leaves out {len(ignored)} checkpoint entries that are not its weights: "
-                    f"{', '.join(ignored[:6])}{' ...' if len(ignored) > 6 else ''}")
-            load_state_dict_strict(model, state, what=f"{build['arch']} backbone")
-    shape = f"window {info['window_size']}" if isinstance(backbone, Swin) else f"patch {info['patch_size']}"
-    log(f"model: {method} {info['arch']} ({shape}), "
-        f"{'random initialisation' if random_init else f'weights from {path} [{checkpoint_key}]'}")
-    return model.eval().requires_grad_(False), info
-
-
-def dense_backbone(model):
-    """The module with `forward_dense` inside what `load_backbone` returns."""
-    return model.backbone if isinstance(model, PooledViT) else model
-
-
-SKIPPED = -1  # the label of an unreadable image's row in evaluation
-
-
-class IndexedDataset(torch.utils.data.Dataset):
-    """(transform(image), label, index) so that rows computed by any process land at their index.
-    An unreadable image (with --skip_bad_images) comes as a blank image with label SKIPPED, and
-    evaluation drops its row: it must not count a neighbour's image and label instead."""
-
-    def __init__(self, base, transform):
-        self.base, self.transform = base, transform
-        if isinstance(base, ImageFolderSafe):
-            base.substitute = False
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, index):
-        try:
-            image, label = self.base[index]
-        except BadImageError as e:
-            if not getattr(self.base, "skip_bad_images", False):
-                raise
-            print(f"warning: skipping {e}", file=sys.stderr)
-            return self.transform(Image.new("RGB", (1, 1))), SKIPPED, index
-        return self.transform(image), label, index
-
-
-def all_gather_rows(*tensors):
-    """Each tensor's rows from every process, concatenated in rank order (the same on every
-    process). Processes may hold different numbers of rows: they are padded for the exchange."""
-    if not is_dist():
-        return tensors
-    count = torch.tensor([len(tensors[0])], device=tensors[0].device)
-    counts = [torch.zeros_like(count) for _ in range(get_world_size())]
-    dist.all_gather(counts, count)
-    counts = [int(c) for c in counts]
-    gathered = []
-    for t in tensors:
-        padded = t.new_zeros((max(counts), *t.shape[1:]))
-        padded[:len(t)] = t
-        parts = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(parts, padded)
-        gathered.append(torch.cat([part[:n] for part, n in zip(parts, counts)]))
-    return gathered
-
-
 # ================================================================================================
 # 10. Correspondence of local features (extras/eval_correspondence.py, --monitor_correspondence)
 # ================================================================================================
-# Every view is cropped with a recorded geometry, so the true match of every token of view 1 in
-# view 2 is known, and the similarity matching of the backbone's dense tokens can be scored.
-# extras/eval_correspondence.py documents the protocols and metrics; the training scripts log
-# them on a few fixed images per epoch with --monitor_correspondence.
-CORRESPONDENCE_PROTOCOLS = ("esvit", "glsd", "overlap")
-CORRESPONDENCE_METRICS = ("top10_accuracy", "top10_distance", "accuracy", "distance", "chance_accuracy")
 
 
-def crop_view(img, box, size, flip):
-    """img cropped to box = (left, top, width, height) in pixels, resized to size x size, maybe
-    mirrored; and its geometry as `MultiCropAugmentation.crop_and_flip` records it."""
-    left, top, w, h = box
-    crop = TF.resized_crop(img, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC)
-    crop = TF.hflip(crop) if flip else crop
-    W, H = img.size
-    return crop, {"box": torch.tensor([left / W, top / H, w / W, h / H]), "flip": torch.tensor(flip),
-                  "image_size": torch.tensor([float(W), float(H)])}
-
-
-class PairViews:
-    """img -> (view 1, view 2, geometry 1, geometry 2) of one protocol. All randomness comes from
-    torch's RNG (colour jitter too), so `SeededDataset` makes every pair reproducible."""
-    CENTER_CROP_FRACTION = 224 / 256  # DINO's evaluation transform: Resize(256) -> CenterCrop(224)
-
-    def __init__(self, protocol, crop_size=224, crops_scale=(0.4, 1.0), photometric=True):
-        if protocol not in CORRESPONDENCE_PROTOCOLS:
-            die(f"unknown correspondence protocol {protocol!r}; choose one of {', '.join(CORRESPONDENCE_PROTOCOLS)}")
-        self.protocol, self.size, self.scale = protocol, crop_size, tuple(crops_scale)
-        colour = [transforms.RandomApply([transforms.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
-                  transforms.RandomGrayscale(p=0.2)] if photometric else []  # DINO's colour augmentation
-        self.augmented = transforms.Compose(colour + [transforms.ToTensor(),
-                                                      transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-        self.clean = transforms.Compose(self.augmented.transforms[-2:])
-
-    def random_box(self, img):
-        top, left, h, w = transforms.RandomResizedCrop.get_params(img, list(self.scale), [3 / 4, 4 / 3])
-        return left, top, w, h
-
-    def __call__(self, img):
-        if self.protocol == "esvit":  # a centre crop vs its flipped, colour-jittered copy
-            side = max(1, round(self.CENTER_CROP_FRACTION * min(img.size)))
-            box = ((img.size[0] - side) // 2, (img.size[1] - side) // 2, side, side)
-            (v1, g1), (v2, g2) = crop_view(img, box, self.size, False), crop_view(img, box, self.size, True)
-            return self.clean(v1), self.augmented(v2), g1, g2
-        # glsd: one random box seen twice; overlap: two random boxes
-        boxes = [self.random_box(img)] * 2 if self.protocol == "glsd" else [self.random_box(img), self.random_box(img)]
-        (v1, g1), (v2, g2) = (crop_view(img, box, self.size, bool(torch.rand(1).item() < 0.5)) for box in boxes)
-        return self.augmented(v1), self.augmented(v2), g1, g2
-
-
-class PairDataset(torch.utils.data.Dataset):
-    """(view 1, view 2, geometry 1, geometry 2, index); pair i depends only on (seed, i)."""
-
-    def __init__(self, base, views, seed=0):
-        self.seeded = SeededDataset(base, views, seed)
-
-    def __len__(self):
-        return len(self.seeded)
-
-    def __getitem__(self, index):
-        (v1, v2, g1, g2), _label = self.seeded[index]
-        return v1, v2, g1, g2, index
-
-
-def ground_truth(geometry1, geometry2, grid1, grid2):
-    """For every token of view 1 (an (h1, w1) grid), the flat index of the token of view 2 whose
-    centre is nearest in the original image, and whether the token lies inside view 2's box:
-    both [B, h1 * w1]. Token cells of a view tile its box in a regular grid, so the nearest centre
-    is the centre of the cell that contains the point."""
-    xy = grid_centers(geometry1, grid1).double()                            # [B, T1, 2] original pixels
-    box, size = geometry2["box"].double(), geometry2["image_size"].double()
-    uv = (xy / size[:, None] - box[:, None, :2]) / box[:, None, 2:]          # position in view 2, [0, 1) inside
-    u = torch.where(geometry2["flip"].bool()[:, None], 1 - uv[..., 0], uv[..., 0])
-    v = uv[..., 1]
-    inside = (u >= 0) & (u < 1) & (v >= 0) & (v < 1)
-    h2, w2 = grid2
-    col = (u * w2).floor().clamp(0, w2 - 1).long()
-    row = (v * h2).floor().clamp(0, h2 - 1).long()
-    return row * w2 + col, inside
-
-
-@torch.no_grad()
-def match_pairs(backbone, views1, views2, geometry1, geometry2):
-    """Similarity matching of every view-1 token and its ground truth, all [B, T1]: (prediction,
-    score, target, valid), and the grid of view 2."""
-    _, z1 = backbone.forward_dense(views1)
-    _, z2 = backbone.forward_dense(views2)
-    grid1, grid2 = tuple(z1.shape[1:3]), tuple(z2.shape[1:3])
-    z1, z2 = F.normalize(z1.flatten(1, 2).float(), dim=-1), F.normalize(z2.flatten(1, 2).float(), dim=-1)
-    score, prediction = torch.einsum("bsd,btd->bst", z1, z2).max(dim=-1)   # first index on ties
-    target, valid = ground_truth({k: v.to(z1.device) for k, v in geometry1.items()},
-                                 {k: v.to(z1.device) for k, v in geometry2.items()}, grid1, grid2)
-    return prediction, score, target, valid, grid2
-
-
-def pair_metrics(prediction, score, target, valid, grid2, top=10):
-    """Per pair [B]: top-`top` accuracy and distance error, accuracy and distance error over all
-    tokens with a ground truth, chance accuracy, and whether the pair has any such token."""
-    def masked_mean(x, mask):
-        return (x * mask).sum(1) / mask.sum(1).clamp_min(1)
-
-    w2 = grid2[1]
-    correct = (prediction == target).double()
-    distance = torch.hypot((prediction // w2 - target // w2).double(), (prediction % w2 - target % w2).double())
-    # the `top` most similar tokens with a ground truth come first (the others score -inf)
-    ranked = score.masked_fill(~valid, float("-inf")).topk(min(top, score.shape[1]), dim=1).indices
-    in_top = torch.arange(ranked.shape[1], device=ranked.device) < valid.sum(1, keepdim=True)
-    return {"top10_accuracy": 100 * masked_mean(correct.gather(1, ranked), in_top),
-            "top10_distance": masked_mean(distance.gather(1, ranked), in_top),
-            "accuracy": 100 * masked_mean(correct, valid), "distance": masked_mean(distance, valid),
-            "chance_accuracy": torch.full_like(correct[:, 0], 100 / (grid2[0] * grid2[1])),
-            "has_truth": valid.any(1)}
-
-
-def add_correspondence_sums(sums, metrics):
-    """sums [len(CORRESPONDENCE_METRICS) + 1] (float64): per-metric sums over the pairs with a
-    ground truth, and their count."""
-    keep = metrics["has_truth"].double()
-    sums += torch.stack([(metrics[k].double() * keep).sum() for k in CORRESPONDENCE_METRICS]
-                        + [keep.sum()]).to(sums.device)
-
-
-def correspondence_means(sums):
-    pairs = int(sums[-1].item())
-    return {**{k: (sums[i] / max(pairs, 1)).item() for i, k in enumerate(CORRESPONDENCE_METRICS)}, "pairs": pairs}
-
-
-def add_monitor_args(parser):
-    """The training scripts' optional flag for `CorrespondenceMonitor`."""
-    parser.add_argument("--monitor_correspondence", default=0, type=int,
-                        help="log the correspondence accuracy of the teacher's local features every epoch, on "
-                             "N fixed images of the test split (0 = off; 16 costs 96 crop forwards)")
-
-
-class CorrespondenceMonitor:
-    """The correspondence metrics of a backbone on a fixed set of pairs, built once.
-
-    `monitor(backbone)` runs every protocol on the same pairs (no process communication; call it
-    on every process or only the main one), in eval mode under no_grad, restores the backbone's
-    training mode and returns {"corr_<protocol>_<metric>": value} for accuracy, top-10 accuracy and
-    distance error. Any backbone with `forward_dense` works, SelfPatch's CLS-free ViT included."""
-
-    def __init__(self, images, crop_size, protocols=CORRESPONDENCE_PROTOCOLS, crops_scale=(0.4, 1.0), seed=0):
-        collate = torch.utils.data.default_collate
-        self.pairs = {p: collate([item[:4] for item in PairDataset([(img, 0) for img in images],
-                                                                    PairViews(p, crop_size, crops_scale), seed)])
-                      for p in protocols}
-
-    @classmethod
-    def from_args(cls, args, num_images=None):
-        """From a training script's args: N images spread evenly over the test split (the train
-        split when the dataset has none, e.g. an ImageFolder without val/), global-crop-sized views
-        (rounded down to the token stride), its --global_crops_scale and --seed."""
-        n = num_images or args.monitor_correspondence
-        try:
-            dataset = build_dataset(args, train=False)
-        except SystemExit:  # no test split (a plain ImageFolder of training images)
-            dataset = build_dataset(args, train=True)
-        indices = torch.linspace(0, len(dataset) - 1, min(n, len(dataset))).round().long().tolist()
-        stride = token_stride(args.arch, args.patch_size)
-        size = max(stride, args.global_crop_size // stride * stride)
-        return cls([dataset[i][0] for i in indices], size, crops_scale=args.global_crops_scale, seed=args.seed)
-
-    def __call__(self, backbone):
-        was_training = backbone.training
-        device = next(itertools.chain(backbone.parameters(), backbone.buffers()), torch.empty(0)).device
-        backbone.eval()
-        out = {}
-        try:
-            for name, (v1, v2, g1, g2) in self.pairs.items():
-                sums = torch.zeros(len(CORRESPONDENCE_METRICS) + 1, dtype=torch.float64)
-                matches = match_pairs(backbone, v1.to(device), v2.to(device), g1, g2)
-                add_correspondence_sums(sums, pair_metrics(*matches))
-                m = correspondence_means(sums)
-                out.update({f"corr_{name}_{k}": m[k] for k in ("accuracy", "top10_accuracy", "distance")})
-        finally:
-            backbone.train(was_training)
-        return out

@@ -83,7 +83,7 @@ def get_args_parser():
 
     common.add_multicrop_args(p)
     common.add_data_args(p)
-    common.add_monitor_args(common.add_run_args(p, saveckp_freq=20))
+    common.add_run_args(p, saveckp_freq=20)
     return p
 
 
@@ -231,7 +231,6 @@ def main(args):
     teacher = build_model(args, 0.0).to(device)
     teacher.load_state_dict(student.state_dict())
     teacher.requires_grad_(False)
-    monitor = common.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
     if common.is_dist():
         if args.use_bn_in_head:
             student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
@@ -271,8 +270,6 @@ def main(args):
         start_step = 0
         save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
-        if monitor is not None:  # local-feature correspondence on fixed test images
-            record.update(monitor(teacher.backbone))
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if common.preemption_requested(device):

@@ -16,7 +16,7 @@ A test feature x votes with its k nearest train features (cosine similarity s_i,
 with T = 0.07 (not tuned, as in Wu et al.) and k in {10, 20, 100, 200}; the paper finds k = 20 best.
 Top-1 and top-5 accuracies are reported (top-5 only with at least 5 classes).
 
-The backbone comes from `common.load_backbone`, which eval_linear.py uses too: one loader for this
+The backbone comes from `load_backbone`, which eval_linear.py uses too: one loader for this
 repository's checkpoints (any method), its teacher_backbone.pth, the DINO authors' released ViT
 weights and the EsViT / GLSD authors' released Swin checkpoints.
 
@@ -31,12 +31,246 @@ Where this file differs from the authors' eval_knn.py:
   * the train features stay on the GPU only when they fit (the authors' `--use_cuda` flag).
 """
 import argparse
+import math
+import re
+import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image
 
 import common
+
+
+# ================================================================================================
+# Any checkpoint's backbone, and features by dataset index (shared with eval_linear.py and extras/)
+# ================================================================================================
+def add_weights_args(parser):
+    """The pretrained model to evaluate (eval_knn.py, eval_linear.py and the extras)."""
+    g = parser.add_argument_group("pretrained model")
+    g.add_argument("--pretrained_weights", default="", type=str,
+                   help="checkpoint.pth of any method of this repository, its teacher_backbone.pth, a "
+                        "released DINO ViT file, or a released EsViT / GLSD common.Swin checkpoint")
+    g.add_argument("--checkpoint_key", default="teacher", type=str,
+                   help="which network of a full checkpoint to evaluate (teacher or student)")
+    g.add_argument("--random_init", action="store_true",
+                   help="evaluate the architecture at random initialisation instead (a baseline; with "
+                        "--pretrained_weights, the architecture of that checkpoint)")
+    g.add_argument("--arch", default="vit_small", choices=list(common.ARCHS),
+                   help="architecture of a plain state dict (full checkpoints record their own)")
+    g.add_argument("--patch_size", default=16, type=common.POSITIVE_INT, help="ViT patch size of a plain state dict")
+    g.add_argument("--window_size", default=7, type=common.POSITIVE_INT, help="common.Swin window size of a plain state dict")
+    return g
+
+
+def add_eval_data_args(parser, batch_size=128):
+    g = common.add_data_args(parser)
+    g.add_argument("--resize", default=256, type=common.POSITIVE_INT, help="shorter side after resizing (bicubic)")
+    g.add_argument("--crop", default=224, type=common.POSITIVE_INT, help="side of the center crop; for small datasets, "
+                                                          "e.g. --resize 64 --crop 64 on 64-px images")
+    g.add_argument("--batch_size_per_gpu", default=batch_size, type=common.POSITIVE_INT, help="images per process")
+    return g
+
+
+def add_eval_run_args(parser):
+    g = parser.add_argument_group("run")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA when present), cpu, cuda, or cuda:N (one process only: under torchrun each "
+                        "process takes the GPU of its LOCAL_RANK)")
+    g.add_argument("--seed", default=0, type=common.COUNT, help="seeds --random_init (and eval_linear's data order)")
+    return g
+
+
+def check_eval_crop(crop, arch, patch_size):
+    """Evaluation crops: a ViT needs whole patches (a common.Swin pads its token maps, which DRLoc's
+    small-image runs rely on)."""
+    if common.ARCHS[arch]["family"] == "vit" and crop % patch_size:
+        common.die(f"--crop {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
+            f"use e.g. {max(patch_size, crop // patch_size * patch_size)}")
+
+
+class PooledViT(nn.Module):
+    """SelfPatch's network for evaluation: `model(x)` is the image token of the aggregation module
+    over the raw tokens of the CLS-free ViT [B, D] (before the heads). Key names `backbone.*` and
+    `ca_head.*` as in SelfPatch's checkpoints."""
+
+    def __init__(self, backbone, ca_head):
+        super().__init__()
+        self.backbone, self.ca_head = backbone, ca_head
+
+    def forward(self, images):
+        _, grid = self.backbone.forward_dense(images, norm=False)
+        return self.ca_head.image_token(grid.flatten(1, 2))
+
+
+def recorded_backbone(ckpt):
+    """A full checkpoint's backbone record; checkpoints written before records existed give theirs
+    from their args (SelfPatch's: the CLS-free ViT and its aggregation module)."""
+    if "backbone" in ckpt:
+        return ckpt["backbone"]
+    args = ckpt["args"]
+    record = dict(arch=args["arch"], patch_size=args.get("patch_size", 16), window_size=args.get("window_size", 7),
+                  img_size=args.get("global_crop_size") or args.get("input_size") or 224)
+    if ckpt["method"] == "selfpatch":
+        record.update(class_token=False, final_norm=False, image_token="ca_head")
+    return record
+
+
+def backbone_state_dict(state_dict):
+    """The backbone entries of a checkpoint's state dict, renamed to timm's keys, and the names of
+    the entries left out.
+
+    `module.` (DistributedDataParallel) is removed. If some keys start with `backbone.` (a model
+    wrapper, as in this repository and the DINO authors' checkpoints), only those are kept. Heads
+    (`head*`, which EsViT attaches to the backbone itself) and the official common.Swin's buffers
+    (relative_position_index, attn_mask; timm recomputes them) are left out. The official common.Swin
+    merges patches at the end of a stage, timm at the start of the next one, so the official
+    `layers.{i}.downsample` becomes `layers.{i+1}.downsample`.
+    """
+    state = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    ignored = []
+    if any(k.startswith("backbone.") for k in state):
+        ignored += [k for k in state if not k.startswith("backbone.")]
+        state = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    for k in list(state):
+        if k.split(".")[0].startswith("head") or k.endswith((".relative_position_index", ".attn_mask")):
+            ignored.append(k)
+            del state[k]
+    if any(k.startswith("layers.0.downsample.") for k in state):  # the official common.Swin stage layout
+        state = {re.sub(r"^layers\.(\d+)\.downsample\.", lambda m: f"layers.{int(m[1]) + 1}.downsample.", k): v
+                 for k, v in state.items()}
+    return state, ignored
+
+
+def plain_state_shape(state, window_size, crop):
+    """(window sizes, image size) to rebuild a plain backbone state dict: a ViT's image size from its
+    position table (patch grid x patch), a common.Swin's windows from its relative-position tables (one
+    per stage; the evaluation crop is taken as its image size). Without a state dict (a random
+    initialisation), `window_size` and the evaluation crop."""
+    state = backbone_state_dict(state)[0] if isinstance(state, dict) else {}
+    if "pos_embed" in state and "patch_embed.proj.weight" in state:
+        n = state["pos_embed"].shape[1] - ("cls_token" in state)
+        return window_size, math.isqrt(n) * state["patch_embed.proj.weight"].shape[-1]
+    tables = sorted((k, v) for k, v in state.items() if k.endswith("blocks.0.attn.relative_position_bias_table"))
+    if tables:
+        return tuple((math.isqrt(v.shape[0]) + 1) // 2 for _, v in tables), crop
+    return window_size, crop
+
+
+def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=16, window_size=7,
+                  random_init=False, crop=224):
+    """A frozen network in eval mode whose `model(x)` is the global feature [B, D], and a dict
+    describing it (method, arch, patch_size, window_size).
+
+    `path` is one of: this repository's checkpoint.pth (any method; the network is rebuilt from its
+    "backbone" record, the weights come from `checkpoint_key`), a plain backbone state dict
+    (teacher_backbone.pth, a released DINO ViT file; the architecture comes from the arguments, the
+    image size and windows from the weights' tables: `plain_state_shape`), or
+    a released EsViT / GLSD checkpoint (`checkpoint_key` entry with wrapper prefixes and the official
+    common.Swin layout). With `random_init` the weights are not loaded (the architecture still comes from
+    `path`, if any). SelfPatch's network is a `PooledViT`: its image token, not a CLS token.
+    """
+    ckpt = None
+    if path:
+        if not Path(path).is_file():
+            common.die(f"--pretrained_weights {path} is not a file")
+        ckpt = common.load_checkpoint(path)
+    elif not random_init:
+        common.die("give --pretrained_weights (a checkpoint to evaluate) or --random_init (a baseline)")
+    full = isinstance(ckpt, dict) and "args" in ckpt and "method" in ckpt  # written by this repository
+    if full and ckpt["method"] == "drloc" and checkpoint_key == "teacher":
+        checkpoint_key = "model"       # DRLoc trains one supervised network
+    state = ckpt
+    if isinstance(ckpt, dict) and checkpoint_key in ckpt:
+        state = ckpt[checkpoint_key]
+    elif full or (isinstance(ckpt, dict) and {"teacher", "student"} & set(ckpt)):
+        common.die(f"--checkpoint_key {checkpoint_key!r} is not in {path}; it has: {', '.join(map(str, ckpt))}")
+    if full:
+        record = recorded_backbone(ckpt)
+    else:
+        check_eval_crop(crop, arch, patch_size)     # the evaluation's own message, before building at `crop`
+        window_size, img_size = plain_state_shape(state, window_size, crop)
+        record = dict(arch=arch, patch_size=patch_size, window_size=window_size, img_size=img_size)
+    build = {k: v for k, v in record.items() if k != "image_token"}
+    # method: the method of this repository that wrote the checkpoint, or "external" (a plain state
+    # dict, an authors' checkpoint), or "random" (no file)
+    method = ckpt["method"] if full else "random" if ckpt is None else "external"
+    info = {"method": method, "arch": build["arch"], "patch_size": build["patch_size"],
+            "window_size": build["window_size"]}
+
+    backbone = common.build_backbone(**build, drop_path_rate=0.0)
+    if record.get("image_token") == "ca_head":  # SelfPatch: the aggregation module's image token
+        model = PooledViT(backbone, common.ClassAttentionPool(backbone.num_features, backbone.blocks[0].attn.num_heads))
+        if not random_init:
+            state = {k: v for k, v in state.items() if k.startswith(("backbone.", "ca_head."))}  # not the heads
+            common.load_state_dict_strict(model, state, what=f"{method} {checkpoint_key} backbone and aggregation module")
+    else:
+        model = backbone
+        if state is not None and not random_init:
+            state, ignored = backbone_state_dict(state)
+            if ignored:
+                common.log(f"the backbone leaves out {len(ignored)} checkpoint entries that are not its weights: "
+                    f"{', '.join(ignored[:6])}{' ...' if len(ignored) > 6 else ''}")
+            common.load_state_dict_strict(model, state, what=f"{build['arch']} backbone")
+    shape = f"window {info['window_size']}" if isinstance(backbone, common.Swin) else f"patch {info['patch_size']}"
+    common.log(f"model: {method} {info['arch']} ({shape}), "
+        f"{'random initialisation' if random_init else f'weights from {path} [{checkpoint_key}]'}")
+    return model.eval().requires_grad_(False), info
+
+
+def dense_backbone(model):
+    """The module with `forward_dense` inside what `load_backbone` returns."""
+    return model.backbone if isinstance(model, PooledViT) else model
+
+
+SKIPPED = -1  # the label of an unreadable image's row in evaluation
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """(transform(image), label, index) so that rows computed by any process land at their index.
+    An unreadable image (with --skip_bad_images) comes as a blank image with label SKIPPED, and
+    evaluation drops its row: it must not count a neighbour's image and label instead."""
+
+    def __init__(self, base, transform):
+        self.base, self.transform = base, transform
+        if isinstance(base, common.ImageFolderSafe):
+            base.substitute = False
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        try:
+            image, label = self.base[index]
+        except common.BadImageError as e:
+            if not getattr(self.base, "skip_bad_images", False):
+                raise
+            print(f"warning: skipping {e}", file=sys.stderr)
+            return self.transform(Image.new("RGB", (1, 1))), SKIPPED, index
+        return self.transform(image), label, index
+
+
+def all_gather_rows(*tensors):
+    """Each tensor's rows from every process, concatenated in rank order (the same on every
+    process). Processes may hold different numbers of rows: they are padded for the exchange."""
+    if not common.is_dist():
+        return tensors
+    count = torch.tensor([len(tensors[0])], device=tensors[0].device)
+    counts = [torch.zeros_like(count) for _ in range(common.get_world_size())]
+    dist.all_gather(counts, count)
+    counts = [int(c) for c in counts]
+    gathered = []
+    for t in tensors:
+        padded = t.new_zeros((max(counts), *t.shape[1:]))
+        padded[:len(t)] = t
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded)
+        gathered.append(torch.cat([part[:n] for part, n in zip(parts, counts)]))
+    return gathered
+
 
 
 # ================================================================================================
@@ -45,7 +279,7 @@ import common
 def get_args_parser():
     p = argparse.ArgumentParser("eval_knn.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    common.add_weights_args(p)
+    add_weights_args(p)
     g = p.add_argument_group("k-NN")
     g.add_argument("--nb_knn", default=[10, 20, 100, 200], nargs="+", type=common.POSITIVE_INT,
                    help="numbers of neighbours k; the paper finds k=20 consistently best")
@@ -56,8 +290,8 @@ def get_args_parser():
                         "features is refused: they are never overwritten)")
     g.add_argument("--load_features", default=None,
                    help="load features and labels saved by --dump_features (no model, no images)")
-    common.add_eval_data_args(p)
-    common.add_eval_run_args(p)
+    add_eval_data_args(p)
+    add_eval_run_args(p)
     return p
 
 
@@ -76,12 +310,12 @@ def bank_device(n_rows, dim, device):
 def extract_features(model, dataset, transform, args, device):
     """l2-normalised features [N, D] and labels [N] in dataset order, on the main process (None on
     the others). Every process computes the rows of its share of the dataset."""
-    loader, _ = common.make_loader(common.IndexedDataset(dataset, transform), args.batch_size_per_gpu,
+    loader, _ = common.make_loader(IndexedDataset(dataset, transform), args.batch_size_per_gpu,
                                    args.num_workers, train=False)
     features = labels = None
     for images, targets, index in common.progress(loader, desc="features"):
         feats = model(images.to(device, non_blocking=True)).float()
-        feats, targets, index = common.all_gather_rows(feats, targets.to(device), index.to(device))
+        feats, targets, index = all_gather_rows(feats, targets.to(device), index.to(device))
         if not common.is_main_process():
             continue
         if features is None:
@@ -92,7 +326,7 @@ def extract_features(model, dataset, transform, args, device):
         labels[index.to(labels.device)] = targets.to(labels.device)
     if features is None:
         return None, None
-    readable = labels != common.SKIPPED
+    readable = labels != SKIPPED
     if not readable.all():
         common.log(f"skipped {int((~readable).sum())} unreadable images (--skip_bad_images): left out, "
                    f"image and label")
@@ -152,9 +386,9 @@ def main(args):
     else:
         if args.dump_features:      # checked before the features are extracted, not after
             check_dump_folder(args.dump_features)
-        model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
+        model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
                                            args.patch_size, args.window_size, args.random_init, args.crop)
-        common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
+        check_eval_crop(args.crop, info["arch"], info["patch_size"])
         model.to(device)
         transform = common.eval_transform(args.resize, args.crop)
         train_set, test_set = common.build_eval_splits(args)    # test labels numbered as train's classes

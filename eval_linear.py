@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torchvision import transforms
 
 import common
+import eval_knn
 
 
 # ================================================================================================
@@ -56,7 +57,7 @@ import common
 def get_args_parser():
     p = argparse.ArgumentParser("eval_linear.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    common.add_weights_args(p)
+    eval_knn.add_weights_args(p)
     g = p.add_argument_group("linear probe")
     g.add_argument("--n_last_blocks", default=4, type=common.POSITIVE_INT,
                    help="concatenate the features of the last n blocks: 4 for ViT-S (the paper finds 4 "
@@ -73,8 +74,8 @@ def get_args_parser():
     g.add_argument("--precomputed_features", default=False, type=common.bool_flag,
                    help="extract the train features once (validation transform, no augmentation) and train the "
                         "classifier on them: epochs cost seconds; not the paper's protocol (it augments every epoch)")
-    common.add_eval_data_args(p)
-    g = common.add_eval_run_args(p)
+    eval_knn.add_eval_data_args(p)
+    g = eval_knn.add_eval_run_args(p)
     g.add_argument("--output_dir", default=".", type=str,
                    help="args.json, log.txt and linear_checkpoint.pth; a run resumes from here. Not a folder of "
                         "another script's run, and one run at a time (.lock)")
@@ -149,19 +150,19 @@ def check_feature_args(model, args):
 def extract_features(model, dataset, args, device):
     """The probe features and labels of every readable image of `dataset`, in dataset order, on every
     process (each process extracts its share; the rows are exchanged), and how many were unreadable."""
-    loader, _ = common.make_loader(common.IndexedDataset(dataset, common.eval_transform(args.resize, args.crop)),
+    loader, _ = common.make_loader(eval_knn.IndexedDataset(dataset, common.eval_transform(args.resize, args.crop)),
                                    args.batch_size_per_gpu, args.num_workers, train=False)
     features = labels = None
     for images, batch_labels, index in common.progress(loader, desc="features"):
         rows = probe_features(model, images.to(device), args).float()
-        rows, batch_labels, index = common.all_gather_rows(rows, batch_labels.to(device), index.to(device))
+        rows, batch_labels, index = eval_knn.all_gather_rows(rows, batch_labels.to(device), index.to(device))
         if features is None:
             features = torch.zeros(len(dataset), rows.shape[1], device=device)
-            labels = torch.full((len(dataset),), common.SKIPPED, dtype=torch.long, device=device)
+            labels = torch.full((len(dataset),), eval_knn.SKIPPED, dtype=torch.long, device=device)
         features[index], labels[index] = rows, batch_labels  # the sampler's padding rows repeat real images
     if features is None:
         common.die("the train split has no images: there is nothing to train a linear probe on")
-    readable = labels != common.SKIPPED
+    readable = labels != eval_knn.SKIPPED
     return features[readable], labels[readable], int((~readable).sum())
 
 
@@ -228,12 +229,12 @@ def validate(model, classifier, loader, n_images, num_labels, args, device):
     for images, labels, index in common.progress(loader, desc="validation"):
         images, labels, index = images.to(device), labels.to(device), index.to(device)
         logits = classifier(probe_features(model, images, args))
-        readable = labels != common.SKIPPED                       # unreadable images are left out
+        readable = labels != eval_knn.SKIPPED                       # unreadable images are left out
         labels = labels.clamp_min(0)
         ranked = logits.topk(min(5, num_labels), dim=1).indices == labels[:, None]
         rows = torch.stack([F.cross_entropy(logits, labels, reduction="none"),
                             ranked[:, 0].float(), ranked.any(dim=1).float(), readable.float()], dim=1)
-        rows, index = common.all_gather_rows(rows, index)
+        rows, index = eval_knn.all_gather_rows(rows, index)
         per_image[index] = rows  # the distributed sampler's padding rows repeat real images
     kept = per_image[:, 3] > 0
     loss, top1, top5 = per_image[kept, :3].mean(dim=0).tolist()
@@ -318,9 +319,9 @@ def main(args):
     common.claim_output_dir(args.output_dir, checkpoint="linear_checkpoint.pth")   # refused while another run uses it
 
     # ---- frozen backbone; the linear probe's input size from one dry run
-    model, info = common.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
+    model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
                                        args.window_size, args.random_init, args.crop)
-    common.check_eval_crop(args.crop, info["arch"], info["patch_size"])
+    eval_knn.check_eval_crop(args.crop, info["arch"], info["patch_size"])
     identity = weights_identity(model, args)
 
     # ---- a probe to resume from output_dir/linear_checkpoint.pth: refused before any data work if it is another's
@@ -347,7 +348,7 @@ def main(args):
         train_data = common.SeededDataset(train_set, train_transform(args.crop), seed=args.seed)
         train_loader, sampler = common.make_loader(train_data, args.batch_size_per_gpu, args.num_workers,
                                                    train=True, seed=args.seed)
-    val_loader, _ = common.make_loader(common.IndexedDataset(val_set, common.eval_transform(args.resize, args.crop)),
+    val_loader, _ = common.make_loader(eval_knn.IndexedDataset(val_set, common.eval_transform(args.resize, args.crop)),
                                        args.batch_size_per_gpu, args.num_workers, train=False)
     common.log(f"data: {len(train_set)} train and {len(val_set)} val images, {num_labels} classes; "
                f"linear probe on {dim}-dimensional features")

@@ -135,7 +135,7 @@ def get_args_parser():
 
     common.add_multicrop_args(p, global_crops_scale=(0.25, 1.0), local_crops_scale=(0.05, 0.25))
     common.add_data_args(p)
-    common.add_monitor_args(common.add_run_args(p, saveckp_freq=10))
+    common.add_run_args(p, saveckp_freq=10)
     return p
 
 
@@ -253,7 +253,7 @@ class AggregationModule(common.ClassAttentionPool):
     and a final LayerNorm: the authors' `SelfPatchHead`, with their key names. Summarises a set of
     tokens into one: all patches of an image (the image token), or the positives of one patch.
     The architecture is in common.py, because evaluation rebuilds the image token from a checkpoint
-    (`common.load_backbone`); what training adds, the patch outputs, is here."""
+    (eval_knn.py's `load_backbone`); what training adds, the patch outputs, is here."""
 
     def forward(self, tokens, positives=None):
         """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs are the
@@ -397,7 +397,6 @@ def main(args):
     teacher = build_model(args, 0.0).to(device)
     teacher.load_state_dict(student.state_dict())
     teacher.requires_grad_(False)
-    monitor = common.CorrespondenceMonitor.from_args(args) if args.monitor_correspondence else None
     if common.is_dist():
         if args.use_bn_in_head:
             student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
@@ -439,8 +438,6 @@ def main(args):
         start_step = 0
         save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
-        if monitor is not None:  # local-feature correspondence on fixed test images
-            record.update(monitor(teacher.backbone))
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if common.preemption_requested(device):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 # Run as `python extras/teacher_outputs.py` from anywhere: the project's modules sit one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import eval_knn  # noqa: E402
 
 HEAD_KEYS = {"dino": "head.", "esvit": "head.", "glsd": "head.", "selfpatch": "c_head."}
 
@@ -40,7 +41,7 @@ def get_args_parser():
                         "train images)")
     p.add_argument("--teacher_temp", default=None, type=common.POSITIVE,
                    help="measure at this temperature instead of the one the run reached at its last trained step")
-    common.add_eval_data_args(p, batch_size=250)
+    eval_knn.add_eval_data_args(p, batch_size=250)
     return p
 
 
@@ -99,7 +100,7 @@ def main(args):
         common.die(f"the teacher temperature of {args.pretrained_weights}'s last step is unknown (no training position "
                    f"recorded, or a fractional warm-up still under way: it depends on the run's steps per epoch): "
                    f"pass --teacher_temp")
-    backbone, _ = common.load_backbone(args.pretrained_weights, "teacher", crop=args.crop)
+    backbone, _ = eval_knn.load_backbone(args.pretrained_weights, "teacher", crop=args.crop)
     dataset = common.build_dataset(args, train=False)
     transform = common.eval_transform(args.resize, args.crop)
     n = min(args.max_images, len(dataset))

@@ -43,6 +43,7 @@ from torchvision.utils import draw_segmentation_masks, make_grid
 # Run as `python extras/visualize.py` from anywhere: the project's modules sit one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import eval_knn  # noqa: E402
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
@@ -329,7 +330,7 @@ def get_args_parser():
         if name == "crops":
             g.add_argument("--indices", default=[0, 1, 2, 3], type=int, nargs="+", help="images of the train split")
         else:
-            common.add_weights_args(c)
+            eval_knn.add_weights_args(c)
             g.add_argument("--image", default=None, type=str, help="an image file (else image --index of --dataset)")
             g.add_argument("--index", default=0, type=int, help="which image of the dataset split")
             g.add_argument("--split", default="test", choices=["train", "test"], help="dataset split")
@@ -382,11 +383,11 @@ def main(args):
                                   args.batched_crops), args)
     image = load_image(args)
     def load(key):
-        return common.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
+        return eval_knn.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
                                     args.random_init, getattr(args, "image_size", None) or args.global_crop_size)
 
     model, info = load(args.checkpoint_key)
-    backbone = common.dense_backbone(model).to(device)
+    backbone = eval_knn.dense_backbone(model).to(device)
     if args.picture == "attention":
         view = common.eval_transform(args.image_size, args.image_size)(image).to(device)
         picture = attention_picture(backbone, view, args.threshold, args.picture_size)
@@ -399,7 +400,7 @@ def main(args):
             common.die(f"--student_crop {args.student_crop}: choose 1 (the other global crop) to "
                        f"{1 + args.local_crops_number} (the local crops)")
         same = args.random_init or info["method"] in ("random", "external")  # one network: teacher = student
-        student = common.dense_backbone(model if same else load("student")[0]).to(device)
+        student = eval_knn.dense_backbone(model if same else load("student")[0]).to(device)
         augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
                                                args.global_crop_size, args.local_crop_size)
         with torch.random.fork_rng(devices=[]):

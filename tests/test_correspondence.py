@@ -2,7 +2,6 @@
 hand-made geometries, a backbone that reads its tokens' positions from the pixels (perfect scores)
 and a constant one (chance), both scripts end to end on `synthetic` (one process and two), and the
 per-epoch monitor on tiny backbones, SelfPatch's CLS-free ViT included."""
-import argparse
 import os
 import re
 import subprocess
@@ -43,7 +42,7 @@ def geometry(*crops, image_size=(64.0, 48.0)):
 def test_flip_maps_column_to_its_mirror(grid):
     h, w = grid
     box = (0.1, 0.2, 0.7, 0.6)
-    target, valid = common.ground_truth(geometry((*box, False), (*box, True)), geometry((*box, True), (*box, False)),
+    target, valid = ec.ground_truth(geometry((*box, False), (*box, True)), geometry((*box, True), (*box, False)),
                                     grid, grid)
     rows, cols = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)
     assert valid.all()
@@ -52,13 +51,13 @@ def test_flip_maps_column_to_its_mirror(grid):
 
 def test_identical_crops_map_to_themselves():
     crops = [(0.0, 0.0, 1.0, 1.0, False), (0.13, 0.31, 0.55, 0.42, True), (0.5, 0.1, 0.37, 0.9, False)]
-    target, valid = common.ground_truth(geometry(*crops), geometry(*crops), (7, 7), (7, 7))
+    target, valid = ec.ground_truth(geometry(*crops), geometry(*crops), (7, 7), (7, 7))
     assert valid.all() and torch.equal(target, torch.arange(49).expand(3, -1))
 
 
 def test_overlap_mask_and_nearest_token():
     # view 1: the whole image (4x4 tokens); view 2: its right half, mirrored (4x2 tokens)
-    target, valid = common.ground_truth(geometry((0, 0, 1, 1, False)), geometry((0.5, 0, 0.5, 1, True)), (4, 4), (4, 2))
+    target, valid = ec.ground_truth(geometry((0, 0, 1, 1, False)), geometry((0.5, 0, 0.5, 1, True)), (4, 4), (4, 2))
     cols = torch.arange(4).repeat(4)
     assert torch.equal(valid[0], cols >= 2)                          # only the right half overlaps
     rows = torch.arange(4).repeat_interleave(4)
@@ -72,7 +71,7 @@ def test_overlap_mask_and_nearest_token():
     crops = [(float(a), float(b), float(c), float(d), bool(f)) for a, b, c, d, f in
              zip(x0, y0, w, h, torch.rand(20, generator=g) < 0.5)]
     g1, g2 = geometry(*crops[:10]), geometry(*crops[10:])
-    target, valid = common.ground_truth(g1, g2, (5, 6), (4, 3))
+    target, valid = ec.ground_truth(g1, g2, (5, 6), (4, 3))
     c1, c2 = common.grid_centers(g1, (5, 6)), common.grid_centers(g2, (4, 3))
     nearest = torch.cdist(c1.double(), c2.double()).argmin(-1)
     assert torch.equal(target[valid], nearest[valid]) and 0 < valid.float().mean() < 1
@@ -115,7 +114,7 @@ class ConstantBackbone(nn.Module):
 
 
 def run_protocol(backbone, protocol, images, photometric=False):
-    pairs = common.PairDataset(images, common.PairViews(protocol, 64, photometric=photometric), seed=3)
+    pairs = ec.PairDataset(images, ec.PairViews(protocol, 64, photometric=photometric), seed=3)
     return ec.evaluate(backbone, pairs, batch_size=4, num_workers=0, device=torch.device("cpu"), name=protocol)
 
 
@@ -244,25 +243,3 @@ def test_attention_weights_and_mass_threshold():
     for a, m in zip(attention.flatten(1), mask.flatten(1)):
         share = a / a.sum()
         assert share[m].sum() >= 0.6 and share[m].sum() - share[m].min() < 0.6 and share[m].min() >= share[~m].max()
-
-
-# ================================================================================================
-# Per-epoch monitor
-# ================================================================================================
-def test_monitor_on_tiny_backbones():
-    args = argparse.Namespace(dataset="synthetic", data_path=None, synthetic_images=40, synthetic_image_size=32,
-                              synthetic_seed=0, arch="vit_pico", patch_size=8, global_crop_size=36,
-                              global_crops_scale=(0.4, 1.0), seed=0, monitor_correspondence=4)
-    monitor = common.CorrespondenceMonitor.from_args(args)
-    PROTOCOLS = common.CORRESPONDENCE_PROTOCOLS
-    assert {k: v[0].shape for k, v in monitor.pairs.items()} == {p: (4, 3, 32, 32) for p in PROTOCOLS}
-    torch.manual_seed(0)
-    for backbone in (common.build_backbone("vit_pico", 8), common.build_backbone("vit_pico", 8, class_token=False,
-                                                                                 final_norm=False)):
-        backbone.train()
-        out = monitor(backbone)
-        assert backbone.training                                  # training mode restored
-        assert set(out) == {f"corr_{p}_{k}" for p in PROTOCOLS for k in ("accuracy", "top10_accuracy", "distance")}
-        assert all(0 <= out[f"corr_{p}_accuracy"] <= 100 for p in PROTOCOLS)
-        assert out == common.CorrespondenceMonitor.from_args(args)(backbone)   # fixed pairs, no dropout
-    assert monitor(ConstantBackbone())["corr_esvit_accuracy"] == pytest.approx(100 / 16)   # chance, 4x4 tokens

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import common  # noqa: E402
+import eval_knn  # noqa: E402
 import drloc  # noqa: E402
 from test_reliability import ENV, assert_same_state, assert_same_trajectory, load, make_folder, run  # noqa: E402
 
@@ -410,7 +411,7 @@ def test_run_with_drloc_logs_and_checkpoints(drloc_uninterrupted):
 def test_drloc_checkpoint_is_evaluated_by_eval_knn_at_its_training_size(drloc_uninterrupted):
     """At 64 px the later Swin stages are smaller than the window: their relative-position tables
     shrink, so the backbone must be built at the checkpoint's --input_size (and DRLoc's eps)."""
-    model, info = common.load_backbone(str(drloc_uninterrupted / "checkpoint.pth"))
+    model, info = eval_knn.load_backbone(str(drloc_uninterrupted / "checkpoint.pth"))
     assert info["method"] == "drloc"
     state = load(drloc_uninterrupted / "checkpoint.pth")["model"]
     for k, v in model.state_dict().items():
@@ -421,7 +422,7 @@ def test_drloc_checkpoint_is_evaluated_by_eval_knn_at_its_training_size(drloc_un
     # backbone.pth alone: the windows come from its tables, the image size from the evaluation crop;
     # a plain state dict cannot record DRLoc's LayerNorm eps (1e-5, timm's default here 1e-6), so the
     # features are close, not equal (checkpoint.pth, above, is exact)
-    plain, _ = common.load_backbone(str(drloc_uninterrupted / "backbone.pth"), arch="swin_pico", crop=64)
+    plain, _ = eval_knn.load_backbone(str(drloc_uninterrupted / "backbone.pth"), arch="swin_pico", crop=64)
     x = torch.randn(2, 3, 64, 64)
     assert plain.norm.eps == 1e-6
     torch.testing.assert_close(plain(x), model(x), rtol=0, atol=1e-3)

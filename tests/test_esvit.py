@@ -268,14 +268,13 @@ def test_two_step_run_then_resume(tmp_path):
     common.load_state_dict_strict(common.build_backbone("swin_pico", img_size=64),   # timm key names, 64 px run
                                   torch.load(tmp_path / "teacher_backbone.pth", weights_only=True))
 
-    second = run_esvit("--epochs", "2", "--output_dir", str(tmp_path), "--monitor_correspondence", "4")
+    second = run_esvit("--epochs", "2", "--output_dir", str(tmp_path))
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stdout
     log = read_log(tmp_path)
     assert [r["epoch"] for r in log] == [0, 1]
     for key in ("loss", "view_loss", "region_loss", "center_norm", "center_grid_norm", "matched_teacher_tokens"):
         assert all(math.isfinite(r[key]) for r in log), key
-    assert 0 <= log[1]["corr_esvit_top10_accuracy"] <= 100                  # --monitor_correspondence
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 2
 
 

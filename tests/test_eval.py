@@ -96,7 +96,7 @@ def test_knn_separable_features_are_perfect():
 
 def test_gather_rows_single_process_is_identity():
     a, b = torch.randn(5, 3), torch.arange(5)
-    out = common.all_gather_rows(a, b)
+    out = eval_knn.all_gather_rows(a, b)
     assert out[0] is a and out[1] is b
 
 
@@ -138,7 +138,7 @@ def dino_run(tmp_path_factory):
 def test_load_full_checkpoint(dino_run, key):
     ckpt = torch.load(dino_run / "checkpoint.pth", weights_only=True)
     # the architecture comes from the checkpoint: the (wrong) flags are ignored
-    model, info = common.load_backbone(str(dino_run / "checkpoint.pth"), key, arch="swin_pico", patch_size=8)
+    model, info = eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), key, arch="swin_pico", patch_size=8)
     assert info["arch"] == "vit_pico" and info["method"] == "dino" and isinstance(model, common.ViT)
     assert ckpt["backbone"] == {**model.build_config, "image_token": "backbone"}   # what rebuilt it
     expected = {k.removeprefix("backbone."): v for k, v in ckpt[key].items() if k.startswith("backbone.")}
@@ -147,22 +147,22 @@ def test_load_full_checkpoint(dino_run, key):
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     with pytest.raises(SystemExit, match="checkpoint_key"):
-        common.load_backbone(str(dino_run / "checkpoint.pth"), "ema")
+        eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), "ema")
 
 
 def test_teacher_and_student_differ_after_training(dino_run):
-    teacher, _ = common.load_backbone(str(dino_run / "checkpoint.pth"), "teacher")
-    student, _ = common.load_backbone(str(dino_run / "checkpoint.pth"), "student")
+    teacher, _ = eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), "teacher")
+    student, _ = eval_knn.load_backbone(str(dino_run / "checkpoint.pth"), "student")
     assert not torch.equal(teacher.blocks[0].attn.qkv.weight, student.blocks[0].attn.qkv.weight)
 
 
 def test_load_teacher_backbone_needs_the_arch(dino_run):
     path = str(dino_run / "teacher_backbone.pth")
-    model, info = common.load_backbone(path, arch="vit_pico", patch_size=16)
+    model, info = eval_knn.load_backbone(path, arch="vit_pico", patch_size=16)
     ckpt = torch.load(dino_run / "checkpoint.pth", weights_only=True)
     assert torch.equal(model.pos_embed, ckpt["teacher"]["backbone.pos_embed"])
     with pytest.raises(SystemExit, match="does not match"):
-        common.load_backbone(path, arch="vit_tiny", patch_size=16)
+        eval_knn.load_backbone(path, arch="vit_tiny", patch_size=16)
 
 
 def test_load_timm_layout_state_dict(tmp_path):
@@ -170,7 +170,7 @@ def test_load_timm_layout_state_dict(tmp_path):
     timm's own output; a missing or an extra key is an error, not a partial load."""
     reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0).eval()
     torch.save(reference.state_dict(), tmp_path / "dino_vit.pth")
-    model, _ = common.load_backbone(str(tmp_path / "dino_vit.pth"), arch="vit_tiny", patch_size=16)
+    model, _ = eval_knn.load_backbone(str(tmp_path / "dino_vit.pth"), arch="vit_tiny", patch_size=16)
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=1e-5)
@@ -182,7 +182,7 @@ def test_load_timm_layout_state_dict(tmp_path):
             state["blocks.3.extra"] = torch.zeros(1)
         torch.save(state, tmp_path / "bad.pth")
         with pytest.raises(SystemExit, match="blocks.3"):
-            common.load_backbone(str(tmp_path / "bad.pth"), arch="vit_tiny", patch_size=16)
+            eval_knn.load_backbone(str(tmp_path / "bad.pth"), arch="vit_tiny", patch_size=16)
 
 
 def official_swin_layout(timm_state):
@@ -209,12 +209,12 @@ def test_load_esvit_swin_checkpoint(tmp_path):
     state = official_swin_layout(reference.state_dict())
     assert "module.backbone.layers.0.downsample.reduction.weight" in state
     torch.save({"teacher": state, "student": {}, "epoch": 300}, tmp_path / "esvit.pth")
-    model, _ = common.load_backbone(str(tmp_path / "esvit.pth"), "teacher", arch="swin_pico")
+    model, _ = eval_knn.load_backbone(str(tmp_path / "esvit.pth"), "teacher", arch="swin_pico")
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     with pytest.raises(SystemExit, match="does not match"):   # another Swin size is an error
-        common.load_backbone(str(tmp_path / "esvit.pth"), "teacher", arch="swin_tiny")
+        eval_knn.load_backbone(str(tmp_path / "esvit.pth"), "teacher", arch="swin_tiny")
 
 
 def test_load_selfpatch_checkpoint(tmp_path):
@@ -231,11 +231,11 @@ def test_load_selfpatch_checkpoint(tmp_path):
     for name, extra in (("recorded.pth", {"backbone": record}), ("before_records.pth", {})):
         torch.save({"teacher": reference.state_dict(), "student": reference.state_dict(), "args": vars(args),
                     "method": "selfpatch", **extra}, tmp_path / name)
-        model, info = common.load_backbone(str(tmp_path / name), "teacher")
-        assert info["method"] == "selfpatch" and isinstance(model, common.PooledViT)
+        model, info = eval_knn.load_backbone(str(tmp_path / name), "teacher")
+        assert info["method"] == "selfpatch" and isinstance(model, eval_knn.PooledViT)
         with torch.no_grad():
             torch.testing.assert_close(reference.c_head(model(x)), image_logits, rtol=0, atol=0)  # the image token
-            random_model, _ = common.load_backbone(str(tmp_path / name), "teacher", random_init=True)
+            random_model, _ = eval_knn.load_backbone(str(tmp_path / name), "teacher", random_init=True)
             assert not torch.allclose(random_model(x), model(x))
 
 
@@ -247,7 +247,7 @@ def test_backbone_record_rebuilds_what_args_cannot_tell(tmp_path):
     torch.save({"model": {f"backbone.{k}": v for k, v in backbone.state_dict().items()}, "method": "drloc",
                 "args": {"arch": "vit_pico", "patch_size": 8}, "backbone": common.backbone_record(backbone)},
                tmp_path / "checkpoint.pth")
-    model, info = common.load_backbone(str(tmp_path / "checkpoint.pth"), "model")
+    model, info = eval_knn.load_backbone(str(tmp_path / "checkpoint.pth"), "model")
     assert info == {"method": "drloc", "arch": "vit_pico", "patch_size": 8, "window_size": 7}
     assert model.norm.eps == 1e-5 and model.pos_embed.shape == backbone.pos_embed.shape
     x = torch.randn(2, 3, 32, 32)
@@ -257,12 +257,12 @@ def test_backbone_record_rebuilds_what_args_cannot_tell(tmp_path):
 
 def test_random_init_and_missing_weights():
     common.fix_random_seeds(0)
-    a, info = common.load_backbone("", arch="vit_pico", random_init=True)
+    a, info = eval_knn.load_backbone("", arch="vit_pico", random_init=True)
     common.fix_random_seeds(0)
-    b, _ = common.load_backbone("", arch="vit_pico", random_init=True)
+    b, _ = eval_knn.load_backbone("", arch="vit_pico", random_init=True)
     assert info["method"] == "random" and torch.equal(a.pos_embed, b.pos_embed)
     with pytest.raises(SystemExit, match="--pretrained_weights"):
-        common.load_backbone("", arch="vit_pico")
+        eval_knn.load_backbone("", arch="vit_pico")
 
 
 # ================================================================================================

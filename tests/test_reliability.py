@@ -43,6 +43,7 @@ def run(script, *args, driver=None, timeout=300):
 STOP_AT_CHECK = """
 import runpy, sys
 import common
+import eval_knn
 n, real = N_CHECK, common.preemption_requested
 calls = [0]
 def preemption_requested(device):
@@ -530,7 +531,8 @@ def test_selfpatch_teacher_backbone_alone_is_a_one_line_mismatch(tmp_path):
     """SelfPatch's backbone has no CLS token and no final norm: its image token needs the
     aggregation module of checkpoint.pth."""
     import common
+    import eval_knn
     backbone = common.build_backbone("vit_pico", class_token=False, final_norm=False)
     torch.save(backbone.state_dict(), tmp_path / "teacher_backbone.pth")
     with pytest.raises(SystemExit, match=r"does not match the checkpoint.*missing: \[cls_token, norm.weight"):
-        common.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch="vit_pico")
+        eval_knn.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch="vit_pico")

@@ -13,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import eval_knn  # noqa: E402
 
 
 def run_args(**kw):
@@ -139,11 +140,11 @@ def test_small_image_checkpoints_load_for_evaluation(tmp_path, script, flags):
     result = subprocess.run([sys.executable, script, *SMALL, *flags, "--output_dir", str(tmp_path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert result.returncode == 0, result.stderr[-3000:]
-    model, info = common.load_backbone(str(tmp_path / "checkpoint.pth"), crop=32)
+    model, info = eval_knn.load_backbone(str(tmp_path / "checkpoint.pth"), crop=32)
     assert model(torch.randn(2, 3, 32, 32)).shape[0] == 2
     if script == "selfpatch.py":   # its image token needs the aggregation head: checkpoint.pth only
         return
-    plain, _ = common.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch=info["arch"], patch_size=4,
+    plain, _ = eval_knn.load_backbone(str(tmp_path / "teacher_backbone.pth"), arch=info["arch"], patch_size=4,
                                       crop=32)   # plain state dict: table sizes read from the weights
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(plain(x), model(x))
