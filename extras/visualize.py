@@ -12,7 +12,7 @@ Pillow's ImageDraw for lines, dots and numbers; no plotting library):
     crops       what a training run sees: per image, the image and its 2 global and N local crops,
                 exactly as epoch 0 of a run with the same --seed and crop flags draws them (look at
                 them before tuning a recipe: is the object still there after crop, blur, solarize?)
-    curves      learning curves of tests/compare.py's runs: 20-NN top-1 and the `overlap` all-token
+    curves      learning curves of extras/compare.py's runs: 20-NN top-1 and the `overlap` all-token
                 correspondence accuracy against training steps, one line per row (mean over the
                 seeds that evaluated their kept checkpoints); step 0 is the backbone's random init
 
@@ -21,7 +21,7 @@ Pillow's ImageDraw for lines, dots and numbers; no plotting library):
         --synthetic_image_size 64 --global_crop_size 64 --local_crop_size 32 --output matchings.png
     python extras/visualize.py crops --dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 \
         --local_crops_number 4 --indices 0 1 2 3 --output crops.png
-    python extras/visualize.py curves --log tests/compare_32px.jsonl --data fashion_mnist --phase test \
+    python extras/visualize.py curves --log docs/data/compare_32px.jsonl --data fashion_mnist --phase test \
         --output docs/comparison_curves.png
 
 The 60% threshold: per head, sort the patches by attention, keep the largest ones until their sum
@@ -203,7 +203,7 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
 
 
 # ================================================================================================
-# Learning curves of the comparison (tests/compare.py's JSON lines)
+# Learning curves of the comparison (extras/compare.py's JSON lines)
 # ================================================================================================
 CURVES = (("knn_top1", "20-NN top-1 (%)"), ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
 
@@ -315,9 +315,9 @@ def get_args_parser():
     p = argparse.ArgumentParser("visualize.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     commands = p.add_subparsers(dest="picture", required=True)
-    c = commands.add_parser("curves", help="learning curves of tests/compare.py's runs",
+    c = commands.add_parser("curves", help="learning curves of extras/compare.py's runs",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("--log", default="tests/compare_32px.jsonl", help="tests/compare.py's JSON lines")
+    c.add_argument("--log", default="docs/data/compare_32px.jsonl", help="extras/compare.py's JSON lines")
     c.add_argument("--data", default="fashion_mnist", help="which comparison: its --data")
     c.add_argument("--phase", default="test", choices=["val", "test"], help="which comparison: its --phase")
     c.add_argument("--variant", default="recipe", help="which comparison: its --variant")
@@ -368,7 +368,7 @@ def main(args):
         series = curve_series(read_json_lines(args.log), args.data, args.phase, args.variant)
         if not series:
             common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
-                       f"--variant {args.variant} (tests/compare.py logs one for each seed in --curve_seeds)")
+                       f"--variant {args.variant} (extras/compare.py logs one for each seed in --curve_seeds)")
         return save(curves_picture(series, f"{args.data}, {args.phase} phase: mean over the seeds with a curve"), args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)

@@ -1,11 +1,11 @@
-"""tests/bench.py keeps working: one method, one warm-up and one timed step, every number positive."""
+"""extras/bench.py keeps working: one method, one warm-up and one timed step, every number positive."""
 import math
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras"))
 import bench  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "extras"))
 import common  # noqa: E402
 import esvit  # noqa: E402
 import head_precision  # noqa: E402
@@ -172,7 +172,7 @@ def test_cuda_device_gets_cudnn_benchmark_and_tf32(monkeypatch):
 def test_dino_head_computes_in_float32_under_bf16():
     """Under bf16 autocast the head's output is float32's bit for bit (on the CPU; TF32 on CUDA),
     and its gradients reach every weight; in a head computed in bf16 the teacher's logits move by
-    0.02 or more after the division by 0.04 (tests/head_precision.py measures them at 65,536)."""
+    0.02 or more after the division by 0.04 (extras/head_precision.py measures them at 65,536)."""
     torch.manual_seed(0)
     head = head_precision.peaked(common.DINOHead(64, 4096, hidden_dim=256), torch.randn(32, 64))
     x = torch.randn(32, 64)

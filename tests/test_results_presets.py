@@ -1,4 +1,4 @@
-"""tests/results.py (docs/RESULTS.md's Fashion-MNIST tables) and tests/compare.py (docs/COMPARISON.md's
+"""extras/results.py (docs/RESULTS.md's Fashion-MNIST tables) and extras/compare.py (docs/COMPARISON.md's
 controlled comparison) are not run by CI: their runs take CPU-hours. Check here that every recipe and
 comparison row still parses with its script's own arguments, the tables and the learning-curve picture."""
 import importlib
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras"))
 import compare  # noqa: E402
 import results  # noqa: E402
@@ -52,15 +51,15 @@ def test_drloc_comparison_is_paired_by_seed():
 def test_results_md_is_what_table_generates_from_the_log():
     """docs/RESULTS.md's tables and commands are `results.py --table`'s output for the committed log."""
     committed = results.RESULTS_MD.read_text()
-    records = results.read_log(results.ROOT / "tests" / "results_32px.jsonl")
+    records = results.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl")
     assert "<!-- results.py:test -->" in committed and "<!-- results.py:commands -->" in committed
     assert results.refresh(committed, results.generated_blocks(records)) == committed, \
-        "docs/RESULTS.md is stale: run python tests/results.py --table"
+        "docs/RESULTS.md is stale: run python extras/results.py --table"
 
 
 def test_each_listed_command_trains_what_its_logged_runs_trained():
     """The recipe as it stands plus the command's --extra parses to the logged run's arguments."""
-    for record in results.read_log(results.ROOT / "tests" / "results_32px.jsonl"):
+    for record in results.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl"):
         if record["run"] == "pixels":
             continue
         script, flags = results.RUNS[record["run"]]
@@ -78,7 +77,7 @@ def test_refresh_replaces_only_the_generated_blocks():
 
 
 # ------------------------------------------------------------------------------------------------
-# tests/compare.py: the controlled comparison
+# extras/compare.py: the controlled comparison
 # ------------------------------------------------------------------------------------------------
 def parse_row(row, data="fashion_mnist", phase="test", steps=400, curve_every=100):
     _, script, _ = compare.METHOD_FLAGS[row]
@@ -176,9 +175,9 @@ def test_comparison_table_is_generated_from_the_log():
     assert compare.comparison_table(records, "shapes", "test") == "No test-phase run of the comparison on shapes is logged yet."
     blocks = compare.generated_blocks(records)
     assert blocks["commands"].splitlines()[1:3] == [
-        "python tests/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels "
+        "python extras/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels "
         "--curve_every 200 --curve_seeds 0 1",       # curves every 200 steps, for both seeds: not the defaults
-        "python tests/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --curve_every 200 "
+        "python extras/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --curve_every 200 "
         "--skip_linear"]
     without_curves = [{k: v for k, v in r.items() if k != "curve"} for r in records]
     assert compare.generated_blocks(without_curves)["commands"].splitlines()[1].endswith(
@@ -225,23 +224,23 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
 
 
 def test_comparison_md_is_what_table_generates_from_the_log():
-    log = results.ROOT / "tests" / "compare_32px.jsonl"
+    log = results.ROOT / "docs" / "data" / "compare_32px.jsonl"
     records = results.read_log(log) if log.exists() else []
     committed = compare.COMPARISON_MD.read_text()
     assert "<!-- compare.py:fashion_mnist_test -->" in committed and "<!-- compare.py:commands -->" in committed
     assert results.refresh(committed, compare.generated_blocks(records), tag="compare.py") == committed, \
-        "docs/COMPARISON.md is stale: run python tests/compare.py --table"
+        "docs/COMPARISON.md is stale: run python extras/compare.py --table"
 
 
 @pytest.mark.parametrize("path", compare.SUMMARY_FILES, ids=lambda p: p.name)
 def test_summaries_are_what_table_generates_from_the_log(path):
     """README's "Results at a glance" and docs/RESULTS.md hold the comparison's summary block."""
-    log = results.ROOT / "tests" / "compare_32px.jsonl"
+    log = results.ROOT / "docs" / "data" / "compare_32px.jsonl"
     records = results.read_log(log) if log.exists() else []
     text = path.read_text()
     assert "<!-- compare.py:summary -->" in text
     assert results.refresh(text, {"summary": compare.summary_table(records)}, tag="compare.py") == text, \
-        f"{path.name}'s comparison summary is stale: run python tests/compare.py --table"
+        f"{path.name}'s comparison summary is stale: run python extras/compare.py --table"
 
 
 def test_summary_table_pairs_each_seed_with_its_own_random_init():

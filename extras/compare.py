@@ -2,11 +2,11 @@
 (steps, batch, crops, lr schedule, teacher settings, seeds) on both small backbones, so that a row's
 difference from the DINO row of its backbone is what the method adds. Not collected by pytest.
 
-    python tests/compare.py --phase val --seeds 0 1                     # choose: the held-out 10000 train images
-    python tests/compare.py --phase test --seeds 0 1                    # report: once per final setting
-    python tests/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
-    python tests/compare.py --phase test --seeds 0 1 --add_linear       # probe the logged rows' checkpoints
-    python tests/compare.py --table                                     # refresh docs/COMPARISON.md from the log
+    python extras/compare.py --phase val --seeds 0 1                     # choose: the held-out 10000 train images
+    python extras/compare.py --phase test --seeds 0 1                    # report: once per final setting
+    python extras/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
+    python extras/compare.py --phase test --seeds 0 1 --add_linear       # probe the logged rows' checkpoints
+    python extras/compare.py --table                                     # refresh docs/COMPARISON.md from the log
 
 Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
 (geometric matching of the ViT's tokens). `swin_pico3 --fit_window true`: DINO's loss alone (dino.py
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results  # noqa: E402  (tests/results.py: running a command, k-NN parsing, generated blocks)
+import results  # noqa: E402  (extras/results.py: running a command, k-NN parsing, generated blocks)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
@@ -417,7 +417,7 @@ def summary_table(records, data="fashion_mnist", phase="test", variant="recipe")
 
 
 def reproducing_commands(records):
-    """One `python tests/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
+    """One `python extras/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
     groups = {}
     for r in records:
         skip_linear = r["row"] != "pixels" and "linear_top1" not in r
@@ -435,7 +435,7 @@ def reproducing_commands(records):
     lines = []
     for (data, phase, variant, steps, extra, skip_linear), (rows, seeds, trained_seeds, curve_seeds,
                                                             curve_every) in groups.items():
-        line = (f"python tests/compare.py --data {data} --phase {phase} --steps {steps} "
+        line = (f"python extras/compare.py --data {data} --phase {phase} --steps {steps} "
                 f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
         if curve_every and curve_every != {defaults.curve_every}:
             line += f" --curve_every {min(curve_every)}"
@@ -477,7 +477,7 @@ def get_args_parser():
     p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
     p.add_argument("--work_dir", default="runs/compare", help="output directories of the runs")
     p.add_argument("--data_dir", default="runs/data", help="where the built datasets (fashion_mnist_8k) are written")
-    p.add_argument("--log", default=str(ROOT / "tests" / "compare_32px.jsonl"),
+    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "compare_32px.jsonl"),
                    help="one JSON line per (data, row, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true", help="rewrite the generated blocks of docs/COMPARISON.md from --log")
     return p

@@ -1,10 +1,10 @@
 """Fashion-MNIST results of docs/RESULTS.md: small-image CPU recipes of every method at the images'
 own scale (32 px crops of the 28 px images), over several seeds. Not collected by pytest.
 
-    python tests/results.py --runs dino --phase val --seeds 0     # choose: train on 50k, k-NN on the other 10k
-    python tests/results.py --runs dino --phase test --seeds 0 1  # report: train on 60k, k-NN on the test split
-    python tests/results.py --runs pixels                         # the k-NN on raw pixels, for scale
-    python tests/results.py --table                               # refresh docs/RESULTS.md from the log
+    python extras/results.py --runs dino --phase val --seeds 0     # choose: train on 50k, k-NN on the other 10k
+    python extras/results.py --runs dino --phase test --seeds 0 1  # report: train on 60k, k-NN on the test split
+    python extras/results.py --runs pixels                         # the k-NN on raw pixels, for scale
+    python extras/results.py --table                               # refresh docs/RESULTS.md from the log
 
 Phases. `val` trains with `--holdout 10000` (the last 10000 train images are held out) and
 evaluates on those 10000 with the other 50000 as the k-NN bank: every recipe and variant was chosen
@@ -249,7 +249,7 @@ def extra_flags(record):
 
 
 def reproducing_commands(records):
-    """One `python tests/results.py ...` line per (run, variant, phase, extra), seeds together, in the
+    """One `python extras/results.py ...` line per (run, variant, phase, extra), seeds together, in the
     order the log first holds them."""
     groups = {}
     for r in records:
@@ -257,7 +257,7 @@ def reproducing_commands(records):
         groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra), []).append(r["seed"])
     lines = []
     for (name, variant, phase, extra), seeds in groups.items():
-        line = f"python tests/results.py --runs {name} --phase {phase}"
+        line = f"python extras/results.py --runs {name} --phase {phase}"
         if name != "pixels":
             line += f" --seeds {' '.join(str(s) for s in sorted(seeds))}"
         lines.append(line + variant_flags(variant, extra))
@@ -308,7 +308,7 @@ def get_args_parser():
     p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
     p.add_argument("--work_dir", default="runs/results", help="output directories of the runs")
-    p.add_argument("--log", default=str(ROOT / "tests" / "results_32px.jsonl"),
+    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
                    help="one JSON line per (run, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from --log")

@@ -42,12 +42,12 @@ decoding included: `common.MultiCropAugmentation` under `common.SeededDataset` (
 geometry) against a plain torchvision/PIL pipeline with DINO's transforms.
 
 Commands:
-  python tests/bench.py                                       # CPU preset (vit_pico), ~2-3 minutes
-  python tests/bench.py --arch swin_pico                      # the same with a Swin (no SelfPatch)
-  python tests/bench.py --preset paper --device cuda          # ViT-S/16, 2 x 224 + 8 x 96, batch 64
-  python tests/bench.py --preset paper --device cuda --arch swin_tiny
-  python tests/bench.py --methods dino glsd_geometric --precisions bf16 --steps 2
-  python tests/bench.py --recipe quickstart                   # the README quick start, old vs new path
+  python extras/bench.py                                       # CPU preset (vit_pico), ~2-3 minutes
+  python extras/bench.py --arch swin_pico                      # the same with a Swin (no SelfPatch)
+  python extras/bench.py --preset paper --device cuda          # ViT-S/16, 2 x 224 + 8 x 96, batch 64
+  python extras/bench.py --preset paper --device cuda --arch swin_tiny
+  python extras/bench.py --methods dino glsd_geometric --precisions bf16 --steps 2
+  python extras/bench.py --recipe quickstart                   # the README quick start, old vs new path
 
 --recipe quickstart (instead of the rows above): the README quick start's DINO training (vit_pico/4,
 batch 128, 2 x 32 + 4 x 16 px crops of Fashion-MNIST), run by dino.train_one_epoch itself on a real
@@ -789,7 +789,7 @@ def print_header(args, argv, device, sdpa_counted):
     print(f"CPU capability (torch): {facts['cpu_capability']}; native bf16 on {device.type}: "
           f"{'yes' if has_native_bf16(device) else 'no (bf16 rows are emulated)'}; "
           f"--precision auto would train in {auto} ({why})")
-    print(f"command: python tests/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    print(f"command: python extras/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     vit = common.ARCHS[args.arch]["family"] == "vit"
     backbone = f"patch {args.patch_size}" if vit else f"window {args.window_size}"
     print(f"config: {args.arch} ({backbone}), 2 x {args.global_crop_size} + {args.local_crops_number} x "
@@ -1078,7 +1078,7 @@ def main(argv=None):
           "built; GFLOP/step: FlopCounterMode over forward + backward (+ analytic attention where not "
           "counted); MFU: GFLOP/s / the dense matmul peak of the same dtype; vs DINO: median step time over "
           "DINO's, same precision; backbone / heads+loss / update / extra: each part timed alone on the "
-          "step's tensors, as a share of the median step (see the docstring of tests/bench.py).")
+          "step's tensors, as a share of the median step (see the docstring of extras/bench.py).")
 
     data_rows = []
     if not args.skip_data:
