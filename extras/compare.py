@@ -43,17 +43,16 @@ import argparse
 import contextlib
 import fcntl
 import json
-import math
 import os
 import re
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results  # noqa: E402  (extras/results.py: running a command, k-NN parsing, generated blocks)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+import results  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
@@ -131,8 +130,6 @@ def write_fashion_mnist_8k(data_dir):
     root = Path(data_dir) / "fashion_mnist_8k"
     if root.is_dir() and len(list(root.glob("*/*/*.png"))) == 10000:
         return root
-    sys.path.insert(0, str(ROOT))
-    import common
     test = common.FashionMNIST(train=False)
     for i in range(len(test)):
         image, label = test[i]
@@ -140,27 +137,6 @@ def write_fashion_mnist_8k(data_dir):
         folder.mkdir(parents=True, exist_ok=True)
         image.convert("L").save(folder / f"{i:05d}.png")
     return root
-
-
-def parse_correspondence(output):
-    """{protocol: {top10_accuracy, accuracy, ...}} from extras/eval_correspondence.py's log lines."""
-    metrics = {}
-    for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all tokens: accuracy "
-                         r"([0-9.]+)% \(chance ([0-9.]+)%\), distance ([0-9.]+) cells", output):
-        metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy", "chance_accuracy",
-                                        "distance"], map(float, m.groups()[1:])))
-    if not metrics:
-        sys.exit("error: no correspondence metrics in extras/eval_correspondence.py's output")
-    return metrics
-
-
-def parse_collapse(output):
-    k = re.search(r"K = (\d+) \(ln K", output)
-    h = re.search(r"per-image entropy ([0-9.]+) \| entropy of the mean target ([0-9.]+)", output)
-    if not (k and h):
-        sys.exit("error: no entropies in extras/teacher_outputs.py's output")
-    return {"teacher_entropy": float(h.group(1)), "mean_target_entropy": float(h.group(2)),
-            "ln_k": math.log(int(k.group(1)))}
 
 
 def children_cpu_seconds():
@@ -202,13 +178,13 @@ class Evaluator:
 
     def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"), name="correspondence"):
         baseline = ["--random_init"] if random_init else []
-        return parse_correspondence(self.call(
+        return results.parse_correspondence(self.call(
             ["extras/eval_correspondence.py", *self.data, "--crop_size", "32", "--max_images",
              str(CORRESPONDENCE_IMAGES), "--num_workers", "0", "--seed", str(self.seed), "--protocols", *protocols,
              "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
 
     def collapse(self, weights):
-        return parse_collapse(self.call(["extras/teacher_outputs.py", *self.data, *EVAL.split(), "--max_images", "2000",
+        return results.parse_collapse(self.call(["extras/teacher_outputs.py", *self.data, *EVAL.split(), "--max_images", "2000",
                                          "--pretrained_weights", str(weights)], "teacher_outputs.txt"))
 
 
@@ -275,11 +251,8 @@ def run_row(row, args, seed):
 def locked(log):
     """The log, held by this process alone (processes of other seeds append to it or rewrite it)."""
     with open(log, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)      # released when f is closed
+        yield
 
 
 def log_key(record):
@@ -317,8 +290,6 @@ def add_linear(row, args, seed):
 
 def pixels_knn(data):
     """20-NN of the l2-normalised raw grey pixels (eval_knn.py's vote), on the splits of the rows."""
-    sys.path.insert(0, str(ROOT))
-    import common
     parser = argparse.ArgumentParser()
     common.add_data_args(parser)
     data_args = parser.parse_args(data)
@@ -329,15 +300,7 @@ def pixels_knn(data):
 # ------------------------------------------------------------------------------------------------
 # docs/COMPARISON.md: generated blocks
 # ------------------------------------------------------------------------------------------------
-def half_range(values):
-    return (max(values) - min(values)) / 2
-
-
-def cell(values, digits=1):
-    values = [v for v in values if v is not None]
-    if not values:
-        return "—"
-    return f"{statistics.mean(values):.{digits}f} ± {half_range(values):.{digits}f}"
+cell = results.cell
 
 
 def comparison_table(records, data, phase):
@@ -516,16 +479,13 @@ def main():
                   + (f", {record['train_seconds'] / 60:.1f} min training" if "train_seconds" in record else ""),
                   flush=True)
     if args.table:
-        markdown = COMPARISON_MD.read_text()
         records = results.read_log(args.log) if Path(args.log).exists() else []
-        refreshed = results.refresh(markdown, generated_blocks(records), tag=TAG)
-        COMPARISON_MD.write_text(refreshed)
-        print(f"{COMPARISON_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
-        for path in SUMMARY_FILES:
+        for path, blocks in [(COMPARISON_MD, generated_blocks(records)),
+                             *((path, {"summary": summary_table(records)}) for path in SUMMARY_FILES)]:
             text = path.read_text()
-            summary = results.refresh(text, {"summary": summary_table(records)}, tag=TAG)
-            path.write_text(summary)
-            print(f"{path.relative_to(ROOT)}: {'refreshed' if summary != text else 'already up to date'}")
+            refreshed = results.refresh(text, blocks, tag=TAG)
+            path.write_text(refreshed)
+            print(f"{path.relative_to(ROOT)}: {'refreshed' if refreshed != text else 'already up to date'}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ prose around the blocks is written by hand.
 import argparse
 import importlib
 import json
+import math
 import os
 import re
 import statistics
@@ -39,6 +40,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+import eval_knn  # noqa: E402
+
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head sized
@@ -101,12 +106,30 @@ def knn_top1(output):
     return float(match.group(1))
 
 
+def parse_correspondence(output):
+    """{protocol: {top10_accuracy, accuracy, ...}} from extras/eval_correspondence.py's log lines."""
+    metrics = {}
+    for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all tokens: accuracy "
+                         r"([0-9.]+)% \(chance ([0-9.]+)%\), distance ([0-9.]+) cells", output):
+        metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy", "chance_accuracy",
+                                        "distance"], map(float, m.groups()[1:])))
+    if not metrics:
+        sys.exit("error: no correspondence metrics in extras/eval_correspondence.py's output")
+    return metrics
+
+
+def parse_collapse(output):
+    k = re.search(r"K = (\d+) \(ln K", output)
+    h = re.search(r"per-image entropy ([0-9.]+) \| entropy of the mean target ([0-9.]+)", output)
+    if not (k and h):
+        sys.exit("error: no entropies in extras/teacher_outputs.py's output")
+    return {"teacher_entropy": float(h.group(1)), "mean_target_entropy": float(h.group(2)),
+            "ln_k": math.log(int(k.group(1)))}
+
+
 def pixels_knn_top1(bank, queries):
     """20-NN (T = 0.07, eval_knn.py's vote) on the l2-normalised raw grey pixels: `bank` and `queries`
     are labelled datasets of PIL images of one size."""
-    sys.path.insert(0, str(ROOT))
-    import eval_knn
-
     def features(dataset):
         pairs = [dataset[i] for i in range(len(dataset))]
         pixels = torch.stack([torch.tensor(np.asarray(image.convert("L")), dtype=torch.float32).flatten()
@@ -121,8 +144,6 @@ def pixels_knn_top1(bank, queries):
 def pixels_top1(phase):
     """The raw-pixel 20-NN of Fashion-MNIST: val, the last HOLDOUT train images against the others;
     test, the test split against the train split."""
-    sys.path.insert(0, str(ROOT))
-    import common
     data = argparse.Namespace(dataset="fashion_mnist", data_path=None, holdout=HOLDOUT if phase == "val" else 0)
     return pixels_knn_top1(common.build_dataset(data, train=True), common.build_dataset(data, train=False))
 
@@ -156,8 +177,12 @@ def train_and_evaluate(name, variant, extra, phase, seed, work_dir):
     return record
 
 
-def mean_spread(values):
-    return f"{statistics.mean(values):.1f} ± {(max(values) - min(values)) / 2:.1f}"
+def cell(values, digits=1):
+    """Mean ± half the range of the values that are not None; — when there are none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    return f"{statistics.mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 
 def table(records, phase):
@@ -180,8 +205,8 @@ def table(records, phase):
             continue
         random_init = [r["random_init_top1"] for r in rs]
         gains = [a - b for a, b in zip(top1, random_init)]
-        rows.append(f"| {name} | {variant} | {len(rs)} | {mean_spread(top1)} | {mean_spread(random_init)} | "
-                    f"{mean_spread(gains)} | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} |")
+        rows.append(f"| {name} | {variant} | {len(rs)} | {cell(top1)} | {cell(random_init)} | "
+                    f"{cell(gains)} | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} |")
     return "\n".join(rows)
 
 
@@ -235,8 +260,6 @@ def extra_flags(record):
     """The --extra that, added to the recipe as it stands in RUNS, trains what `record` trained:
     every argument whose parsed value differs, in the parser's order."""
     script, flags = RUNS[record["run"]]
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     parser = importlib.import_module(script[:-3]).get_args_parser()
     recipe, logged = vars(parser.parse_args(flags.split())), vars(parser.parse_args(logged_flags(record)))
     extra = []
