@@ -1,4 +1,6 @@
-"""extras/bench.py keeps working: one method, one warm-up and one timed step, every number positive."""
+"""extras/bench.py keeps working: two methods for one warm-up and one counted step of their own
+train_one_epoch, and the quick start's side-by-side comparison on a few synthetic images; every
+number positive, the tables printed."""
 import math
 import sys
 from pathlib import Path
@@ -9,21 +11,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras"))
 import bench  # noqa: E402
 
 
-def test_bench_one_method_one_step(capsys):
-    result = bench.main(["--methods", "glsd_geometric", "--precisions", "fp32", "--warmup", "1", "--steps", "1",
-                         "--peak_seconds", "0.1", "--data_images", "4", "--data_passes", "1"])
-    (row,) = result["rows"]
-    assert row["method"] == "glsd_geometric" and row["precision"] == "fp32"
-    assert result["peaks"]["fp32"] > 0
-    assert 0 < row["min"] <= row["median"] <= row["max"]
-    assert row["images_per_s"] > 0 and row["memory"] > 0
-    assert row["flops"] > row["attention_flops"] > 0          # vit_pico's attention goes through SDPA
-    for part in ("backbone", "heads", "update", "extra"):     # geometric matching is GLSD's own extra work
-        assert 0 < row[part] < 5, part
-    assert len(row["losses"]) == 1 and math.isfinite(row["losses"][0])
-    assert [d["crops"] for d in result["data"]] == ["2 x 64 + 4 x 32", "2 x 224 + 8 x 96"]
-    assert all(d["repo"] > 0 and d["reference"] > 0 for d in result["data"])
+def test_bench_rows_time_the_methods_own_training(capsys):
+    rows = bench.main(["--methods", "dino", "drloc", "--precisions", "fp32", "--device", "cpu", "--warmup", "1",
+                       "--steps", "1", "--batch_size", "4"])["rows"]
+    assert [(r["method"], r["precision"]) for r in rows] == [("dino", "fp32"), ("drloc", "fp32")]
+    for r in rows:
+        assert 0 < r["min"] <= r["median"] <= r["max"] and 0 <= r["wait"] <= r["max"]
+        assert r["images_per_s"] == 4 / r["median"] and math.isfinite(r["loss"])
+        assert r["memory"] is None or r["memory"] > 0
     out = capsys.readouterr().out
-    assert "| glsd_geometric | fp32 |" in out and "dense matmul peak (best before and after the rows): fp32" in out
-    assert f"CPU capability (torch): {torch.backends.cpu.get_cpu_capability()}; native bf16 on cpu: " in out
-    assert f"--precision auto would train in {'bf16' if bench.common.cpu_has_native_bf16() else 'fp32'} (" in out
+    assert "| dino | fp32 | " in out and "| drloc | fp32 | " in out and "1.00x |" in out
+    auto = "bf16" if bench.auto_precision(torch.device("cpu")).startswith("precision: bf16") else "fp32"
+    assert f"--precision auto here: {auto} (" in out
+
+
+def test_a_refused_row_is_skipped_with_its_reason(capsys):
+    rows = bench.main(["--methods", "selfpatch", "--arch", "swin_pico", "--precisions", "fp32", "--device", "cpu",
+                       "--warmup", "1", "--steps", "1", "--batch_size", "2"])["rows"]
+    assert rows == []
+    assert "selfpatch --precision fp32: skipped (" in capsys.readouterr().out
+
+
+def test_quickstart_side_by_side_on_synthetic_images(capsys):
+    results = bench.main(["--recipe", "quickstart", "--device", "cpu", "--recipe_rounds", "1", "--recipe_steps", "1",
+                          "--recipe_workers", "1", "--recipe_flags",
+                          "--dataset synthetic --synthetic_images 24 --synthetic_image_size 28 --batch_size_per_gpu 8"])
+    results = results["recipe"]
+    assert list(results) == ["PIL crops, 1 loader worker", "batched crops, no loader worker"]
+    for r in results.values():
+        assert r["steps"] == 1 and r["median"] > 0 and r["cpu"] > 0 and r["images_per_s"] == 8 / r["median"]
+    # the same weights, data and random draws: the batched crops differ from PIL's by rounding only
+    losses = [r["loss"] for r in results.values()]
+    assert abs(losses[0] - losses[1]) < 1e-2
+    out = capsys.readouterr().out
+    assert "| PIL crops, 1 loader worker | " in out and "| batched crops, no loader worker | " in out
+    assert "batched crops, no loader worker: " in out and "x the images/s of the fastest PIL configuration" in out
