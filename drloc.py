@@ -501,7 +501,8 @@ def main(args):
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
     check_args(args)
-    ckpt = common.start_training(args, "drloc")      # the checkpoint to resume from, or None
+    common.claim_output_dir(args.output_dir)           # refused while another run uses it
+    ckpt = common.checkpoint_to_resume(args, "drloc")  # or None: a fresh start
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's augmentation depends only on (seed, epoch, index)
@@ -560,7 +561,7 @@ def main(args):
         start_step = 0
         record.update(validate(model, val_loader, device, args))
         save_all(model, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
-        record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
+        record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if common.preemption_requested(device):
@@ -569,7 +570,7 @@ def main(args):
 
 
 def save_all(model, optimizer, scaler, criterion, epoch, step, args, dataset):
-    """checkpoint.pth: everything needed to resume at batch `step` of `epoch` (every process takes
+    """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every process takes
     part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy every
     saveckp_freq epochs and the backbone alone with timm key names (for eval_knn.py,
     eval_linear.py and timm)."""
@@ -588,5 +589,4 @@ def save_all(model, optimizer, scaler, criterion, epoch, step, args, dataset):
 
 
 if __name__ == "__main__":
-    with common.user_errors():
-        main(get_args_parser().parse_args())
+    common.run_script(main, get_args_parser())

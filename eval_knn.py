@@ -181,8 +181,8 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
     elif not random_init:
         common.die("give --pretrained_weights (a checkpoint to evaluate) or --random_init (a baseline)")
     full = isinstance(ckpt, dict) and "args" in ckpt and "method" in ckpt  # written by this repository
-    if full and ckpt["method"] == "drloc" and checkpoint_key == "teacher":
-        checkpoint_key = "model"       # DRLoc trains one supervised network
+    if full and checkpoint_key == "teacher" and "teacher" not in ckpt and "model" in ckpt:
+        checkpoint_key = "model"       # a supervised run (DRLoc) trains one network
     state = ckpt
     if isinstance(ckpt, dict) and checkpoint_key in ckpt:
         state = ckpt[checkpoint_key]
@@ -417,5 +417,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    with common.user_errors():
-        main(get_args_parser().parse_args())
+    common.run_script(main, get_args_parser())

@@ -379,7 +379,7 @@ def main(args):
         if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
             record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
             best_top1 = max(best_top1, record["val_top1"])
-        skipped = unreadable if args.precomputed_features else common.skipped_images(train_data, device)
+        skipped = unreadable if args.precomputed_features else common.skipped_images_all_ranks(train_data, device)
         record.update(epoch=epoch, best_top1=best_top1, skipped_images=skipped)
         if common.is_main_process():
             common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(), "optimizer": optimizer.state_dict(),
@@ -392,5 +392,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    with common.user_errors():
-        main(get_args_parser().parse_args())
+    common.run_script(main, get_args_parser())

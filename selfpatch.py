@@ -381,7 +381,9 @@ def main(args):
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    ckpt = common.start_training(args, "selfpatch")  # the checkpoint to resume from, or None
+    common.check_crop_sizes(args)
+    common.claim_output_dir(args.output_dir)           # refused while another run uses it
+    ckpt = common.checkpoint_to_resume(args, "selfpatch")  # or None: a fresh start
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -437,7 +439,7 @@ def main(args):
                                  args, device)
         start_step = 0
         save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
-        record["skipped_images"] = common.skipped_images(dataset, device)   # all processes
+        record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if common.preemption_requested(device):
@@ -446,7 +448,7 @@ def main(args):
 
 
 def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args, dataset):
-    """checkpoint.pth: everything needed to resume at batch `step` of `epoch` (every process takes
+    """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every process takes
     part: each one's RNG state is saved; eval_knn.py and eval_linear.py read its teacher). At an
     epoch boundary (step 0) also a copy every saveckp_freq epochs and the teacher backbone alone
     with timm key names (for timm and dense tasks)."""
@@ -466,5 +468,4 @@ def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args, 
 
 
 if __name__ == "__main__":
-    with common.user_errors():
-        main(get_args_parser().parse_args())
+    common.run_script(main, get_args_parser())

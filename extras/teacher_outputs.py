@@ -116,5 +116,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    with common.user_errors():
-        main(get_args_parser().parse_args())
+    common.run_script(main, get_args_parser())

@@ -5,6 +5,7 @@ utilities and checkpoints.
 The few reference numbers taken from the DINO authors' code live in tests/data/common_reference.pt
 (see its "source" entry); everything else is checked against hand computations.
 """
+import argparse
 import copy
 import math
 import os
@@ -813,18 +814,22 @@ def test_all_reduce_helpers_without_process_group(monkeypatch):
 
 
 def test_a_successful_main_shuts_its_process_group_down(tmp_path):
-    """Every script runs main() inside common.user_errors(): after success the process group is
+    """Every script runs main() through common.run_script(): after success the process group is
     destroyed (gloo left to the interpreter's exit can abort the process); after an error it is left
     alone, since another process may still be in a collective."""
     if dist.is_initialized():
         pytest.skip("a process group already exists in this session")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(SystemExit), common.user_errors():
+        def mistake(args):
             common.die("a user mistake")
-        assert common.is_dist()
-        with common.user_errors():
+
+        def success(args):
             assert common.all_gather_objects(1) == [1]
+        with pytest.raises(SystemExit):
+            common.run_script(mistake, argparse.ArgumentParser(), argv=[])
+        assert common.is_dist()
+        common.run_script(success, argparse.ArgumentParser(), argv=[])
         assert not common.is_dist()
     finally:
         if dist.is_initialized():

@@ -94,22 +94,46 @@ def test_knn_on_a_val_split_with_fewer_classes_is_right(tmp_path):
 # 2. One run per --output_dir
 # ------------------------------------------------------------------------------------------------
 def write_lock(folder, **owner):
+    """A lock file as a run writes it, held by no process (what a killed run leaves)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / common.LOCK_FILE).write_text(json.dumps({**common.lock_owner(), **owner}))
+    (folder / common.LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), **owner}))
+
+
+def hold_lock(folder):
+    """A live process that holds `folder`'s lock as a running training run does (flock), until killed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder / common.LOCK_FILE)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+HOLD_LOCK = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+print("locked", flush=True)
+time.sleep(600)
+"""
 
 
 def test_a_folder_in_use_by_a_live_run_is_refused_and_left_untouched(tmp_path):
     out = tmp_path / "out"
-    write_lock(out, pid=os.getpid(), start=common.process_start_time(os.getpid()))   # this live process holds it
-    r = run("dino.py", *TINY, "--output_dir", str(out))
-    one_line_error(r, f"--output_dir {out} is in use by another run (pid {os.getpid()} on host {socket.gethostname()};")
-    assert sorted(p.name for p in out.iterdir()) == [common.LOCK_FILE]            # nothing written, lock kept
+    holder = hold_lock(out)
+    try:
+        r = run("dino.py", *TINY, "--output_dir", str(out))
+        one_line_error(r, f"--output_dir {out} is in use by another run (pid {holder.pid} on host {socket.gethostname()};")
+        assert sorted(p.name for p in out.iterdir()) == [common.LOCK_FILE]            # nothing written, lock kept
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_stale_lock_is_removed_and_said_so_and_the_lock_is_released_at_exit(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     out = tmp_path / "out"
-    write_lock(out, pid=int(dead.stdout), start=None)
+    write_lock(out, pid=int(dead.stdout))
     r = run("dino.py", *TINY, "--output_dir", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"removed the stale lock {out / common.LOCK_FILE} of pid {int(dead.stdout)}" in r.stdout
@@ -123,26 +147,34 @@ def test_an_error_after_the_claim_releases_the_lock_and_removes_the_new_folder(t
     assert not out.exists()                          # created for the run, empty, removed
 
 
-def test_locks_of_other_hosts_and_reused_pids():
-    me = {"host": "node1", "pid": 100, "start": 5, "slurm_job": "77", "slurm_restart": 1}
-    assert common.stale_lock_reason({"host": "node2", "pid": 100, "slurm_job": "76"}, me) is None  # cannot check: stands
-    assert common.stale_lock_reason({"host": "node2", "pid": 100, "slurm_job": None}, {**me, "slurm_job": None}) is None
-    requeued = {"host": "node2", "pid": 9, "slurm_job": "77", "slurm_restart": 0}
-    assert "SLURM job (77), which was requeued" in common.stale_lock_reason(requeued, me)
-    assert common.stale_lock_reason({**requeued, "slurm_restart": 1}, me) is None   # a concurrent step of the job
-    here = {**common.lock_owner(), "pid": 1}
-    own = {**common.lock_owner(), "pid": os.getpid(), "start": common.process_start_time(os.getpid())}
-    assert common.stale_lock_reason(own, here) is None
-    assert "another process" in common.stale_lock_reason({**own, "start": own["start"] + 1}, here)
-    assert common.stale_lock_reason({}, here) is None           # a lock being written right now stands
+def test_the_lock_of_a_killed_run_is_taken_over_and_a_live_one_refused_in_process(tmp_path):
+    """The lock is the kernel's (flock): held while its process lives, released however it dies
+    (kill -9, a node failure on NFS: the server drops the dead client's locks), so no pid or host
+    has to be checked; a lock this process already holds is its own (main() called twice)."""
+    holder = hold_lock(tmp_path)
+    try:
+        with pytest.raises(SystemExit, match=f"in use by another run \\(pid {holder.pid} on host"):
+            common.claim_output_dir(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    common.claim_output_dir(tmp_path)             # the killed holder's lock is free
+    common.claim_output_dir(tmp_path)             # again in the same process: still its own
+    assert json.loads((tmp_path / common.LOCK_FILE).read_text())["pid"] == os.getpid()
+    common.release_output_dir()
+    assert not (tmp_path / common.LOCK_FILE).exists()
 
 
 def test_torchrun_ranks_refuse_together_and_torchrun_repeats_the_error(tmp_path):
     """Rank 0 alone takes the lock; every rank learns the outcome and stops (none waits forever in
     a collective). torchrun's closing report shows the error line as its root cause."""
     out = tmp_path / "out"
-    write_lock(out, pid=os.getpid(), start=common.process_start_time(os.getpid()))
-    r = run(*TORCHRUN, "dino.py", *TINY, "--output_dir", str(out), timeout=120)
+    holder = hold_lock(out)
+    try:
+        r = run(*TORCHRUN, "dino.py", *TINY, "--output_dir", str(out), timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
     assert r.returncode != 0
     assert r.stderr.count("error: --output_dir") >= 2            # both ranks say it
     assert f"traceback : error: --output_dir {out} is in use" in r.stderr

@@ -346,6 +346,6 @@ def test_skipped_images_summed_over_processes(monkeypatch):
     class Counted(torch.utils.data.Dataset):
         skipped = type("Value", (), {"value": 3})()
     dataset = common.SeededDataset(Counted(), None)
-    assert common.skipped_images(dataset) == 3                     # this process
+    assert common.skipped_images_all_ranks(dataset, CPU) == 3       # one process
     monkeypatch.setattr(common, "all_reduce_sum", lambda t: t * 2)  # as two processes with 3 each
-    assert common.skipped_images(dataset, CPU) == 6
+    assert common.skipped_images_all_ranks(dataset, CPU) == 6

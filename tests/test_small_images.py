@@ -25,6 +25,18 @@ def run_args(**kw):
 # ------------------------------------------------------------------------------------------------
 # Swin: how much of the attention goes to padding, per stage
 # ------------------------------------------------------------------------------------------------
+def window_padding(backbone, crop_size):
+    """Per Swin stage, the share of the attended positions that are padding for a crop of this size
+    (0 = every window holds real tokens only)."""
+    shares, grid = [], crop_size // backbone.patch_embed.patch_size[0]
+    for i, stage in enumerate(backbone.layers):
+        grid = grid if i == 0 else (grid + 1) // 2
+        w = stage.blocks[0].window_size[0]
+        padded = -(-grid // w) * w            # timm pads the grid up to a multiple of the window
+        shares.append(1 - grid ** 2 / padded ** 2)
+    return shares
+
+
 def test_swin_tiny_at_224_px_is_unchanged_and_pads_nothing():
     """The paper's Swin-T: window 7 in every stage, no padding at 224 px, shifted windows except in
     the last stage (7x7 grid = one window), with or without --fit_window (7 tiles 56, 28, 14, 7)."""
@@ -32,7 +44,7 @@ def test_swin_tiny_at_224_px_is_unchanged_and_pads_nothing():
         with torch.device("meta"):
             model = common.backbone_from_args(run_args(arch="swin_tiny", global_crop_size=224, local_crop_size=96,
                                                        fit_window=fit, local_crops_number=0), 0.0)
-        assert common.window_padding(model, 224) == [0.0, 0.0, 0.0, 0.0]
+        assert window_padding(model, 224) == [0.0, 0.0, 0.0, 0.0]
         assert [s.blocks[0].window_size for s in model.layers] == [(7, 7)] * 4
         assert [s.blocks[1].shift_size for s in model.layers] == [(3, 3)] * 3 + [(0, 0)]
 
@@ -41,15 +53,15 @@ def test_unfitted_windows_attend_mostly_to_padding_at_32_px():
     """Window 7 on grids of 16, 8 and 4 tokens (swin_pico3 at 32 px): 42% and 67% padding in the
     first stages; on a 16 px local crop 67-75%."""
     model = common.backbone_from_args(run_args(fit_window=False), 0.0)
-    assert common.window_padding(model, 32) == pytest.approx([1 - 16 ** 2 / 21 ** 2, 1 - 64 / 196, 0.0])
-    assert common.window_padding(model, 16) == pytest.approx([1 - 64 / 196, 1 - 16 / 49, 1 - 4 / 16])
+    assert window_padding(model, 32) == pytest.approx([1 - 16 ** 2 / 21 ** 2, 1 - 64 / 196, 0.0])
+    assert window_padding(model, 16) == pytest.approx([1 - 64 / 196, 1 - 16 / 49, 1 - 4 / 16])
 
 
 def test_fitted_windows_tile_global_and_local_crops_and_keep_a_4x4_grid():
     model = common.backbone_from_args(run_args(), 0.0)
     assert [s.blocks[0].window_size for s in model.layers] == [(4, 4), (4, 4), (2, 2)]
-    assert common.window_padding(model, 32) == [0.0, 0.0, 0.0]
-    assert common.window_padding(model, 16) == [0.0, 0.0, 0.0]
+    assert window_padding(model, 32) == [0.0, 0.0, 0.0]
+    assert window_padding(model, 16) == [0.0, 0.0, 0.0]
     _, grid = model.forward_dense(torch.randn(2, 3, 32, 32))
     assert grid.shape == (2, 4, 4, 128)                  # region losses have 16 tokens to match
     _, grid = model.forward_dense(torch.randn(2, 3, 16, 16))
