@@ -1,19 +1,11 @@
-"""Shared infrastructure of the five method files and the evaluation scripts. No method logic.
+"""Shared infrastructure of the five method files and the evaluation scripts; no method logic.
 
-Part A, what the methods compute (everything a method's model and `train_one_epoch` call):
-  A1. Backbones       timm ViT / Swin: global feature [B, D] and dense grid [B, h, w, D]
-  A2. Heads           the DINO projection head; class-attention pooling (CaiT)
-  A3. Multi-crop      DINO's augmentation, recording every crop's geometry; per-sample seeding
-  A4. Training step   schedules, parameter groups, clipping, EMA, mixed precision, the step's
-                      collectives (all-reduce, non-finite loss, preemption)
-Part B, how they run:
-  B1. Data            image folders, Fashion-MNIST, CIFAR, SVHN and a procedural `synthetic` set
-  B2. Processes       torchrun initialisation, samplers, loaders, preemption signals
-  B3. Checkpoints     atomic save, resume and its checks, one run per --output_dir
-  B4. Exits           every way out of a script in one line
-  B5. Logging         progress bars, JSON log lines, argument groups shared by the scripts
-A name ending in `_all_ranks`, or a docstring starting with "Collective", marks a function that every
-process must call (it communicates).
+Part A, what the methods compute (all that a method's model and `train_one_epoch` call): A1 backbones
+(timm ViT / Swin, global and dense features), A2 the DINO head, A3 multi-crop with geometry, A4 the training
+step's schedules, EMA, mixed precision and collectives. Part B, how they run: B1 data, B2 processes
+and loaders, B3 checkpoints and resume, B4 exits in one line, B5 logging and shared arguments.
+A docstring starting with "Collective" (or a name ending in `_all_ranks`) marks a function every
+process must call.
 """
 import argparse
 import atexit
@@ -29,6 +21,7 @@ import multiprocessing
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import sys
@@ -43,8 +36,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFilter
 from timm.layers import Attention as TimmAttention
-from timm.layers import Mlp
-from timm.models.cait import ClassAttn
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from torchvision import datasets as tv_datasets
@@ -60,13 +51,9 @@ def die(message):
     raise SystemExit(f"error: {message}")
 
 
-# ################################################################################################
-# PART A. WHAT THE METHODS COMPUTE
-# ################################################################################################
+# ######## PART A. WHAT THE METHODS COMPUTE ########################################################
 
-# ================================================================================================
-# A1. Backbones
-# ================================================================================================
+# ======== A1. Backbones ===========================================================================
 # Real configurations: DINO Table 8 (ViT) and EsViT Table 6 (Swin). The `*_pico` entries are not
 # from any paper: they exist so that every script runs, and is tested, on a laptop CPU in seconds.
 ARCHS = {
@@ -84,9 +71,8 @@ ARCHS = {
 
 
 class Attention(TimmAttention):
-    """timm's attention, computed explicitly (softmax(q k^T / sqrt(d)) v, timm's unfused path) on a
-    CPU under bf16 autocast, where the fused kernel's bf16 backward is slow (vit_pico's attention
-    took 9x longer with it; torch 2.14, Xeon with AMX). Elsewhere timm decides."""
+    """timm's attention, on a CPU under bf16 autocast computed explicitly (timm's unfused path): there
+    the fused kernel's bf16 backward made vit_pico's attention 9x slower (torch 2.14, Xeon, AMX)."""
 
     @property
     def fused_attn(self):
@@ -99,17 +85,13 @@ class Attention(TimmAttention):
 
 
 class ViT(VisionTransformer):
-    """timm's VisionTransformer (its key names are the DINO authors') with DINO's position-embedding
-    interpolation: for a grid (h, w) other than the stored (n, n), DINO resizes the table with
-    `interpolate(scale_factor=((h + 0.1) / n, (w + 0.1) / n), mode="bicubic")`. timm's antialiased
-    resampling gives other values (up to ~4 on a ViT-Ti), so released weights would see other
-    local-crop inputs than they were trained with."""
+    """timm's VisionTransformer (the DINO authors' key names) with DINO's position interpolation,
+    `scale_factor=((h + 0.1) / n, (w + 0.1) / n)` bicubic: timm's antialiased resampling differs (by
+    up to ~4 on a ViT-Ti), so released weights would see other local-crop inputs."""
 
     def _pos_embed(self, x):  # x: [B, h, w, C] patch embeddings (dynamic_img_size=True)
-        B, h, w, C = x.shape
-        n_prefix = self.num_prefix_tokens
-        pos = self.pos_embed
-        gh, gw = self.patch_embed.grid_size
+        (B, h, w, C), (gh, gw) = x.shape, self.patch_embed.grid_size
+        n_prefix, pos = self.num_prefix_tokens, self.pos_embed
         if (h, w) != (gh, gw):
             grid = pos[:, n_prefix:].reshape(1, gh, gw, C).permute(0, 3, 1, 2)
             grid = F.interpolate(grid.float(), scale_factor=((h + 0.1) / gh, (w + 0.1) / gw),
@@ -133,9 +115,8 @@ class ViT(VisionTransformer):
 
 
 class Swin(SwinTransformer):
-    """timm's SwinTransformer; global feature = mean of the final-norm tokens (EsViT's pooling).
-    Token maps that the window does not tile (96 px crops) are padded inside each block: timm
-    shifts before padding, the EsViT authors' Swin pads first; the two agree exactly at 224 px."""
+    """timm's SwinTransformer; global feature = mean of the final-norm tokens (EsViT's pooling). On
+    maps the window does not tile (96 px) timm shifts before padding, EsViT's Swin after."""
 
     def forward_dense(self, x, norm=True):
         tokens = self.layers(self.patch_embed(x))  # [B, h, w, D]
@@ -146,11 +127,9 @@ class Swin(SwinTransformer):
 
 def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_size=224,
                    class_token=True, final_norm=True, layer_norm_eps=1e-6, **overrides):
-    """A ViT or Swin from `ARCHS`, built for `img_size` (the global crop: a ViT's position table has
-    its grid; other sizes interpolate). patch_size: the ViT's (a Swin's is in its `ARCHS` entry);
-    window_size: Swin's, an int or one per stage. `class_token=False, final_norm=False` gives a
-    CLS-free ViT. `overrides` replace `ARCHS` entries (tests use tiny models). The arguments are
-    kept in `build_config`, which checkpoints record (`backbone_record`) to rebuild the network."""
+    """A ViT or Swin from `ARCHS` built for `img_size` (the global crop; other sizes interpolate).
+    window_size: an int or one per Swin stage; `overrides` replace `ARCHS` entries. The arguments
+    are kept in `build_config`, which checkpoints record (`backbone_record`)."""
     config = dict(arch=arch, patch_size=patch_size, window_size=window_size, img_size=img_size,
                   class_token=class_token, final_norm=final_norm, layer_norm_eps=layer_norm_eps, **overrides)
     if arch not in ARCHS:
@@ -179,18 +158,15 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
 
 
 def backbone_record(backbone, image_token="backbone"):
-    """What a checkpoint stores (its "backbone" entry) so that evaluation rebuilds the network without
-    the method file: `build_backbone`'s arguments, and where the image feature comes from: "backbone"
-    (ViT CLS token, Swin token mean) or "ca_head" (a `ClassAttentionPool` over the raw tokens)."""
+    """A checkpoint's "backbone" entry, from which evaluation rebuilds the network without the method
+    file: `build_backbone`'s arguments and the image token's source, "backbone" or "ca_head"."""
     return {**backbone.build_config, "image_token": image_token}
 
 
 def token_stride(arch, patch_size=16):
     """Pixels per token of the final grid: the ViT patch, or Swin's patch x 2 per patch merging."""
     cfg = ARCHS[arch]
-    if cfg["family"] == "vit":
-        return patch_size
-    return cfg.get("patch_size", 4) * 2 ** (len(cfg["depths"]) - 1)
+    return patch_size if cfg["family"] == "vit" else cfg.get("patch_size", 4) * 2 ** (len(cfg["depths"]) - 1)
 
 
 def stage_grids(arch, patch_size, crop_size):
@@ -205,13 +181,10 @@ def stage_grids(arch, patch_size, crop_size):
 
 
 def fitted_windows(arch, patch_size, window_size, crop_sizes):
-    """Per Swin stage, the largest window <= window_size that tiles the grid of every crop size, so
-    that no window is padded (padded tokens take part in attention: with window 7 at 64 px, 92% of
-    the last stage's attended positions are padding)."""
-    windows = []
-    for grids in zip(*(stage_grids(arch, patch_size, size) for size in crop_sizes)):
-        windows.append(max(w for w in range(1, window_size + 1) if all(g % w == 0 for g in grids)))
-    return tuple(windows)
+    """Per Swin stage, the largest window <= window_size that tiles every crop's grid: padded tokens
+    take part in attention (window 7 at 64 px: 92% of the last stage's attention is padding)."""
+    return tuple(max(w for w in range(1, window_size + 1) if all(g % w == 0 for g in grids))
+                 for grids in zip(*(stage_grids(arch, patch_size, size) for size in crop_sizes)))
 
 
 def backbone_from_args(args, drop_path_rate, **kwargs):
@@ -227,12 +200,8 @@ def backbone_from_args(args, drop_path_rate, **kwargs):
 
 def resolution_groups(crops):
     """(start, end) of every run of consecutive crops with the same resolution."""
-    groups, start = [], 0
-    for i in range(1, len(crops) + 1):
-        if i == len(crops) or crops[i].shape[-2:] != crops[start].shape[-2:]:
-            groups.append((start, i))
-            start = i
-    return groups
+    ends = list(itertools.accumulate(len(list(run)) for _, run in itertools.groupby(c.shape[-2:] for c in crops)))
+    return list(zip([0] + ends[:-1], ends))
 
 
 def forward_multicrop(fn, crops):
@@ -242,19 +211,15 @@ def forward_multicrop(fn, crops):
 
 
 def other_crop_pairs(ncrops):
-    """Flat indices into a [2, ncrops] matrix (teacher global crop t, student crop s) of the pairs
-    with s != t, row-major: what the mask ~eye(2, ncrops) selects, with a size known to the host (a
-    boolean mask would make the host wait for the GPU)."""
+    """Flat indices of the pairs s != t in a [2, ncrops] matrix (teacher crop t, student crop s): the
+    mask ~eye(2, ncrops) with a size known to the host (a boolean mask would wait for the GPU)."""
     return torch.tensor([t * ncrops + s for t in range(2) for s in range(ncrops) if s != t])
 
 
-# ================================================================================================
-# A2. Heads
-# ================================================================================================
+# ======== A2. The DINO head =======================================================================
 class WeightNormLinear(nn.Module):
-    """Bias-free Linear with weight = g * v / ||v|| (row-wise), stored as `weight_g` [K, 1] and
-    `weight_v` [K, d] like the authors' `nn.utils.weight_norm`, so their checkpoints load as they
-    are; a plain module, so it survives `deepcopy`."""
+    """Bias-free Linear, weight = g * v / ||v|| per row, stored as the authors' `nn.utils.weight_norm`
+    stores it (`weight_g`, `weight_v`), in a plain module that survives `deepcopy`."""
 
     def __init__(self, in_dim, out_dim):
         super().__init__()
@@ -268,28 +233,18 @@ class WeightNormLinear(nn.Module):
 
 
 class DINOHead(nn.Module):
-    """MLP (nlayers Linear, GELU between) -> l2-normalise -> weight-normalised Linear(bottleneck, K).
-    With `norm_last_layer` the gain g is frozen at 1 (a cosine classifier; DINO: stabler).
-
-    Under bf16 autocast the head computes in float32: the teacher temperature (0.04) multiplies
-    every logit error by 25, and bf16 keeps 8 significant bits (the authors' fp16: 11). A 65,536-way
-    head in bf16 moved the teacher's logits by up to 0.06, fp16 by 0.008 (extras/head_precision.py)."""
+    """MLP (GELU) -> l2-normalise -> weight-normalised Linear(bottleneck, K), its gain frozen at 1 with
+    `norm_last_layer`. Under bf16 it computes in float32: the teacher temperature multiplies logit
+    errors by 25, and a 65,536-way bf16 head moved them by up to 0.06 (fp16: 0.008; extras/head_precision.py)."""
 
     def __init__(self, in_dim, out_dim, use_bn=False, norm_last_layer=True, nlayers=3,
                  hidden_dim=2048, bottleneck_dim=256):
         super().__init__()
-        nlayers = max(nlayers, 1)
-        if nlayers == 1:
-            self.mlp = nn.Linear(in_dim, bottleneck_dim)
-        else:
-            layers = []
-            for i in range(nlayers - 1):
-                layers.append(nn.Linear(in_dim if i == 0 else hidden_dim, hidden_dim))
-                if use_bn:
-                    layers.append(nn.BatchNorm1d(hidden_dim))
-                layers.append(nn.GELU())
-            layers.append(nn.Linear(hidden_dim, bottleneck_dim))
-            self.mlp = nn.Sequential(*layers)
+        dims, layers = [in_dim] + [hidden_dim] * (max(nlayers, 1) - 1), []
+        for a, b in zip(dims, dims[1:]):
+            layers += [nn.Linear(a, b)] + ([nn.BatchNorm1d(b)] if use_bn else []) + [nn.GELU()]
+        layers.append(nn.Linear(dims[-1], bottleneck_dim))
+        self.mlp = layers[0] if len(layers) == 1 else nn.Sequential(*layers)     # the authors' key names
         self.apply(self._init_weights)
         self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
         self.last_layer.weight_g.requires_grad = not norm_last_layer
@@ -311,67 +266,16 @@ class DINOHead(nn.Module):
         return self.last_layer(F.normalize(self.mlp(x), dim=-1, p=2))
 
 
-class ClassAttentionBlock(nn.Module):
-    """CaiT's class-attention block without LayerScale: the query attends over [query; tokens]
-    (itself included) and only the query is updated. timm's `ClassAttn` and `Mlp` carry the
-    SelfPatch authors' submodule names (attn.q/k/v/proj, mlp.fc1/fc2), so their weights load."""
-
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, eps=1e-6):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = ClassAttn(dim, num_heads, qkv_bias=True)
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
-
-    def forward(self, query, tokens):
-        """query [M, 1, C], tokens [M, T, C] -> the updated query [M, 1, C]."""
-        query = query + self.attn(self.norm1(torch.cat([query, tokens], dim=1)))
-        return query + self.mlp(self.norm2(query))
-
-
-class ClassAttentionPool(nn.Module):
-    """A learned query, class-attention blocks and a final LayerNorm: summarises a set of tokens into
-    one image token. SelfPatch trains it (its aggregation module); evaluation rebuilds it from a
-    checkpoint whose `backbone_record` says so. Key names as the SelfPatch authors'."""
-
-    def __init__(self, dim, num_heads, num_blocks=2):
-        super().__init__()
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))       # the learned query (authors' name)
-        self.cls_blocks = nn.ModuleList(ClassAttentionBlock(dim, num_heads) for _ in range(num_blocks))
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-
-    def summarize(self, tokens):
-        """tokens [M, T, C] -> [M, C], before the final LayerNorm."""
-        query = self.cls_token.expand(len(tokens), -1, -1)
-        for block in self.cls_blocks:
-            query = block(query, tokens)
-        return query[:, 0]
-
-    def image_token(self, tokens):
-        """tokens [M, T, C] -> the normed summary [M, C]."""
-        return self.norm(self.summarize(tokens))
-
-
-# ================================================================================================
-# A3. Multi-crop with geometry
-# ================================================================================================
+# ======== A3. Multi-crop with geometry ============================================================
 class RandomGaussianBlur:
-    """PIL Gaussian blur with probability p and radius ~ U(sigma), as in DINO, drawn from torch's RNG
-    (so that per-sample seeding covers it)."""
+    """DINO's PIL Gaussian blur, with probability p and radius ~ U(sigma), drawn from torch's RNG."""
 
     def __init__(self, p, sigma=(0.1, 2.0)):
         self.p, self.sigma = p, sigma
 
     def draw(self):
         """The radius, or None for no blur."""
-        if torch.rand(1).item() >= self.p:
-            return None
-        return self.sigma[0] + (self.sigma[1] - self.sigma[0]) * torch.rand(1).item()
+        return None if torch.rand(1).item() >= self.p else self.sigma[0] + (self.sigma[1] - self.sigma[0]) * torch.rand(1).item()
 
     def __call__(self, img):
         radius = self.draw()
@@ -379,21 +283,15 @@ class RandomGaussianBlur:
 
 
 class MultiCropAugmentation:
-    """DINO's multi-crop: 2 global crops and N local crops, each returned with its geometry
-    {"box": [x0, y0, w, h] as fractions of the original image, "flip": mirrored or not,
-    "image_size": [W, H] in pixels}. The blur radius, U(0.1, 2.0) pixels of a 224 px crop in DINO,
-    is scaled by global_crop_size / 224 (at 32 px an unscaled sigma of 2 erases a Fashion-MNIST
-    item; at 224 px nothing changes). All randomness comes from torch's global RNG, which
-    `SeededDataset` seeds per sample. `batch` builds the same crops for a batch of same-size images
-    with tensor operations (`--batched_crops`)."""
+    """DINO's multi-crop: 2 global and N local crops, each with its geometry {"box": [x0, y0, w, h] in
+    fractions of the image, "flip", "image_size": [W, H]}. The blur radius (DINO: 0.1-2 px at 224 px)
+    scales with global_crop_size / 224. All draws come from torch's RNG (`SeededDataset` seeds it)."""
 
     def __init__(self, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4),
                  local_crops_number=8, global_crop_size=224, local_crop_size=96,
                  mean=IMAGENET_MEAN, std=IMAGENET_STD):
-        self.global_scale, self.local_scale = tuple(global_crops_scale), tuple(local_crops_scale)
-        self.n_local = local_crops_number
-        self.global_size, self.local_size = global_crop_size, local_crop_size
-        self.mean, self.std = mean, std
+        self.global_scale, self.local_scale, self.n_local = tuple(global_crops_scale), tuple(local_crops_scale), local_crops_number
+        self.global_size, self.local_size, self.mean, self.std = global_crop_size, local_crop_size, mean, std
         color = [transforms.RandomApply([transforms.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
                  transforms.RandomGrayscale(p=0.2)]
         to_tensor = [transforms.ToTensor(), transforms.Normalize(mean, std)]
@@ -414,9 +312,7 @@ class MultiCropAugmentation:
         top, left, h, w = transforms.RandomResizedCrop.get_params(img, list(scale), [3 / 4, 4 / 3])
         crop = TF.resized_crop(img, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC)
         flip = bool(torch.rand(1).item() < 0.5)
-        if flip:
-            crop = TF.hflip(crop)
-        W, H = img.size
+        crop, (W, H) = TF.hflip(crop) if flip else crop, img.size
         geometry = {"box": torch.tensor([left / W, top / H, w / W, h / H]),
                     "flip": torch.tensor(flip), "image_size": torch.tensor([float(W), float(H)])}
         return crop, geometry
@@ -430,14 +326,9 @@ class MultiCropAugmentation:
         return crops, geometry
 
     def batch(self, images, seeds):
-        """The crops of a batch of same-size images, already collated: what `SeededDataset` gives for
-        these images and per-sample seeds, as tensor operations. images: [B, 3, H, W] uint8.
-
-        Every random draw is the PIL path's, in its order, from torch's generator reseeded per
-        sample: boxes, flips and photometric parameters are the PIL path's for the same seed. The
-        pixel operations are torchvision's tensor ones (antialiased bicubic resize, the colour
-        jitter's blends and hue rotation, an exact Gaussian for PIL's box-approximated one), so the
-        pixels follow the same distribution as PIL's, within a few levels of 255."""
+        """`--batched_crops`: the crops of same-size images [B, 3, H, W] (uint8), collated, with the PIL
+        path's draws for the same per-sample seeds and torchvision's tensor operations (an exact
+        Gaussian for PIL's box blur): pixels within a level of 255 of PIL's on average."""
         batch, _, height, width = images.shape
         params = []
         for seed in seeds:
@@ -543,12 +434,9 @@ def gaussian_blur(x, sigmas):
 
 
 def grid_centers(geometry, grid_size):
-    """Centre of every cell of an (h, w) grid laid over each crop, in original-image pixels:
-    [B, h*w, 2] as (x, y), row-major over the grid the model sees (for a flipped crop, column c lies
-    at the mirrored column w-1-c of the unflipped crop). geometry: one crop's, collated."""
-    h, w = grid_size
-    box = geometry["box"].float()
-    flip = geometry["flip"].bool()
+    """Centre of every cell of an (h, w) grid over each crop (one crop's collated geometry), in image
+    pixels: [B, h*w, 2] as (x, y), row-major as the model sees the (maybe mirrored) crop."""
+    (h, w), box, flip = grid_size, geometry["box"].float(), geometry["flip"].bool()
     img_w, img_h = geometry["image_size"].float().unbind(-1)
     cols = (torch.arange(w, device=box.device) + 0.5) / w                      # [w]
     cols = torch.where(flip[:, None], 1 - cols, cols)                           # [B, w]
@@ -559,20 +447,17 @@ def grid_centers(geometry, grid_size):
 
 
 def sample_seed(*keys):
-    """A well-mixed 63-bit seed from integer keys, e.g. (seed, epoch, index) for one sample in one
-    epoch: a function of the keys only, not of loader workers or processes."""
+    """A well-mixed 63-bit seed from integer keys, e.g. (seed, epoch, index) of one sample."""
     return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
 
 
 class SeededDataset(torch.utils.data.Dataset):
-    """Applies `transform` to `base[index]` under a seed derived from (seed, epoch, index), so a
-    sample's crops depend on nothing else: not on loader workers, processes, or resumption.
-    A loader from `make_loader` asks for `dataset[(index, epoch)]` (its persistent workers hold a
-    copy of this object that never sees a later `set_epoch`); `dataset[index]` uses `set_epoch`'s."""
+    """`transform(base[index])` under a seed of (seed, epoch, index) only: not of workers, processes or
+    resumption. `make_loader` asks for `dataset[(index, epoch)]` (persistent workers never see a later
+    `set_epoch`)."""
 
     def __init__(self, base, transform, seed=0, batched=False):
-        self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
-        self.batched = batched
+        self.base, self.transform, self.seed, self.epoch, self.batched = base, transform, seed, 0, batched
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -596,8 +481,7 @@ class SeededDataset(torch.utils.data.Dataset):
                 np.random.set_state(np_state)
 
     def __getitems__(self, indices):
-        """A batch. With `batched`, `transform.batch` builds it at once and returns it collated
-        (`make_loader` then skips collation); otherwise a list of samples."""
+        """A batch: with `batched`, built at once by `transform.batch` and collated; else a list."""
         if not self.batched:
             return [self[i] for i in indices]
         pairs = [i if isinstance(i, tuple) else (i, self.epoch) for i in indices]
@@ -618,8 +502,7 @@ class SeededDataset(torch.utils.data.Dataset):
         return (crops, geometry), torch.tensor(labels)
 
     def seeded_transform(self, image, seed):
-        """Seeds torch's CPU generator (not CUDA's: torch.manual_seed would, at ~0.5 ms), Python and
-        NumPy (timm's transforms use all three), then transforms."""
+        """Seeds torch's CPU generator (torch.manual_seed would seed CUDA's too), Python's and NumPy's."""
         torch.default_generator.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2 ** 32)
@@ -627,8 +510,7 @@ class SeededDataset(torch.utils.data.Dataset):
 
 
 def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """DINO's evaluation transform: Resize(256, bicubic) -> CenterCrop(224) -> normalise. A crop
-    larger than the resized image would be padded with black: refused."""
+    """DINO's evaluation transform: Resize(256, bicubic) -> CenterCrop(224) -> normalise."""
     if crop > resize:
         die(f"--crop {crop} is larger than --resize {resize}: the center crop would be padded with black; "
             f"use --resize {crop} or more (DINO: --resize 256 --crop 224)")
@@ -637,9 +519,7 @@ def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
                                transforms.Normalize(mean, std)])
 
 
-# ================================================================================================
-# A4. The training step: schedules, optimiser details, EMA, mixed precision, collectives
-# ================================================================================================
+# ======== A4. The training step: schedules, optimiser details, EMA, mixed precision, collectives ====
 def cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epochs=0, start_warmup_value=0):
     """One value per iteration: linear warmup from `start_warmup_value` (endpoint `base_value`
     included) over `warmup_epochs`, then `final + 0.5 (base - final)(1 + cos(pi i / T))`."""
@@ -655,10 +535,8 @@ def cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epoch
 
 
 def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epochs, nepochs, niter_per_ep=1):
-    """Teacher temperature per iteration: linear from `warmup_teacher_temp` to `teacher_temp`
-    (endpoint included), then constant. Whole warm-up epochs ramp per epoch, as the authors' code
-    (every step of epoch e uses linspace(warmup, final, warmup_epochs)[e]); a fractional warm-up
-    ramps per step, so that a one-epoch run can warm up too."""
+    """Teacher temperature per iteration: linear to `teacher_temp`, then constant; whole warm-up epochs
+    ramp per epoch (the authors' linspace(..)[epoch]), a fractional warm-up per step."""
     if float(warmup_epochs).is_integer():
         warmup = np.repeat(np.linspace(warmup_teacher_temp, teacher_temp, int(warmup_epochs)), niter_per_ep)
     else:
@@ -670,19 +548,15 @@ def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epoch
 def get_params_groups(model, no_decay_names=()):
     """Two AdamW groups: weights (decayed), and biases, 1-D parameters (norms, gains) and names
     containing one of `no_decay_names` (not decayed). Frozen parameters are left out."""
-    regularized, not_regularized = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        exempt = name.endswith(".bias") or p.ndim == 1 or any(n in name for n in no_decay_names)
-        (not_regularized if exempt else regularized).append(p)
-    return [{"params": regularized}, {"params": not_regularized, "weight_decay": 0.0}]
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    exempt = [name.endswith(".bias") or p.ndim == 1 or any(n in name for n in no_decay_names) for name, p in trained]
+    return [{"params": [p for (_, p), e in zip(trained, exempt) if not e]},
+            {"params": [p for (_, p), e in zip(trained, exempt) if e], "weight_decay": 0.0}]
 
 
 def clip_gradients(model, clip):
-    """Per-parameter clipping, as the authors' code: every gradient tensor is rescaled on its own to
-    norm <= clip (not a global-norm clip). Returns the norms before clipping (a tensor). No host
-    sync: each gradient is multiplied by clip / (norm + 1e-6) where that is below 1, else by 1."""
+    """The authors' per-parameter clipping (each gradient to norm <= clip), without a host sync; returns
+    the norms before clipping."""
     grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(0)
@@ -693,12 +567,9 @@ def clip_gradients(model, clip):
 
 
 def cancel_gradients_last_layer(epoch, model, freeze_last_layer):
-    """During the first `freeze_last_layer` epochs (fractional: epoch + step / steps), drop the
-    gradients of every head's last layer, so AdamW leaves it untouched."""
-    if epoch >= freeze_last_layer:
-        return
+    """Drop the heads' last-layer gradients during the first `freeze_last_layer` (fractional) epochs."""
     for name, p in model.named_parameters():
-        if "last_layer" in name:
+        if epoch < freeze_last_layer and "last_layer" in name:
             p.grad = None
 
 
@@ -712,8 +583,7 @@ def update_teacher(student, teacher, momentum):
 
 
 def autocast(device, precision):
-    """Mixed-precision context: fp16 (with a grad scaler), bf16, or fp32. fp16 also runs on CPUs
-    (slowly: so that the grad-scaler path can be tested without a GPU)."""
+    """Mixed-precision context: fp16 (with a grad scaler; on CPUs only for tests), bf16, or fp32."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
@@ -751,14 +621,8 @@ def all_reduce_sum(t):
     return t
 
 
-def all_reduce_mean(t):
-    """Collective: the mean of `t` over all processes."""
-    return all_reduce_sum(t) / get_world_size()
-
-
 def stop_if_not_finite(loss, epoch, args, debug_state):
-    """Collective: on a non-finite loss in any process, write `debug_state()` (networks, optimizer,
-    loss state) with the epoch and args to checkpoint_nonfinite.pth and stop with advice."""
+    """Collective: on a non-finite loss in any process, save `debug_state()` and stop with advice."""
     bad = all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
     if bad.item() == 0:
         return
@@ -779,8 +643,7 @@ _preemption_signal = None     # set by the handler that `install_preemption_hand
 
 def preemption_requested(device):
     """Collective: True in every process as soon as any process received a preemption signal."""
-    flag = torch.tensor([float(_preemption_signal is not None)], device=device)
-    return all_reduce_sum(flag).item() > 0
+    return all_reduce_sum(torch.tensor([float(_preemption_signal is not None)], device=device)).item() > 0
 
 
 def exit_after_preemption(output_dir):
@@ -801,17 +664,12 @@ def peak_memory_mb(device):
     """Peak GPU memory allocated, or the process's peak resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# ################################################################################################
-# PART B. HOW THEY RUN
-# ################################################################################################
+# ######## PART B. HOW THEY RUN ####################################################################
 
-# ================================================================================================
-# B1. Data
-# ================================================================================================
+# ======== B1. Data ================================================================================
 class BadImageError(RuntimeError):
     pass
 
@@ -834,15 +692,14 @@ def load_image(path):
 
 
 class ImageFolderSafe(tv_datasets.ImageFolder):
-    """ImageFolder with `load_image`. With `skip_bad_images`, an unreadable file is replaced by the
-    next readable one (training) and counted in `skipped`, shared with the loader's workers; with
-    `substitute = False` (evaluation) the error goes to the caller, which drops the sample (a
-    neighbour's image and label would bias an accuracy). Symbolic-link loops are refused."""
+    """ImageFolder with `load_image`. With `skip_bad_images` an unreadable file is replaced by the next
+    readable one and counted (`skipped`, shared with loader workers); with `substitute = False`
+    (evaluation) the caller drops the sample, whose neighbour's label would bias an accuracy."""
 
     def __init__(self, root, skip_bad_images=False):
         refuse_revisited_folders(root)
         super().__init__(root, loader=load_image)
-        self.skip_bad_images, self.bad_images, self.substitute = skip_bad_images, [], True
+        self.skip_bad_images, self.substitute = skip_bad_images, True
         self.skipped = multiprocessing.Value("l", 0)
 
     def __getitem__(self, index):
@@ -855,7 +712,6 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
                     raise BadImageError(f"{e} (pass --skip_bad_images to skip unreadable files)") from None
                 if not self.substitute:
                     raise
-                self.bad_images.append(self.samples[i][0])
                 with self.skipped.get_lock():
                     self.skipped.value += 1
                 print(f"warning: skipping {e}", file=sys.stderr)
@@ -863,12 +719,11 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
 
 
 def refuse_revisited_folders(root):
-    """ImageFolder follows symbolic links without a guard: `class/up -> ..` walks the tree again
-    inside itself (a folder of 16 images was read as 656). Refuse a walk that reaches a folder twice."""
+    """Refuse a folder whose walk reaches a folder twice: ImageFolder follows `class/up -> ..` again and
+    again (a folder of 16 images was read as 656)."""
     seen = {}
     for folder, _dirs, _files in os.walk(root, followlinks=True):
-        info = os.stat(folder)
-        key = (info.st_dev, info.st_ino)
+        key = (os.stat(folder).st_dev, os.stat(folder).st_ino)
         if key in seen:
             die(f"{folder} leads to {seen[key]}, a folder already read (a symbolic link loop or a second link to "
                 f"one folder): its images would be counted again; remove the link from the image folder")
@@ -905,8 +760,7 @@ class FashionMNIST(torch.utils.data.Dataset):
             die(f"Fashion-MNIST files {prefix}-images-idx3-ubyte(.gz) / {prefix}-labels-idx1-ubyte(.gz) "
                 f"not found in {root}; install them with `apt-get install dataset-fashion-mnist` or pass --data_path")
         self.images, self.targets = read_idx(found[0]), read_idx(found[1]).astype(np.int64)
-        self.classes = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                        "Sneaker", "Bag", "Ankle boot"]
+        self.classes = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 
     def __len__(self):
         return len(self.targets)
@@ -916,11 +770,8 @@ class FashionMNIST(torch.utils.data.Dataset):
 
 
 class SyntheticShapes(torch.utils.data.Dataset):
-    """A procedural labelled image set, so that every script runs offline: 10 shape classes, an
-    image holds 2 to 4 light copies of its class's shape (own position, scale, grey level) over dark
-    noise. Colour carries no information and the class is what every crop shares, so a
-    crop-invariance objective cannot latch on to an image-wide cue instead of shape. Image i is a
-    pure function of (seed, split, i)."""
+    """Procedural labelled images, a pure function of (seed, split, i): 2 to 4 light copies of the
+    class's shape over dark noise. No colour or image-wide cue: the class is what every crop shares."""
     CLASSES = ["disk", "square", "triangle", "diamond", "plus", "cross", "ring", "hbars", "vbars", "checker"]
 
     def __init__(self, num_images=2000, image_size=64, train=True, seed=0):
@@ -973,26 +824,18 @@ class SyntheticShapes(torch.utils.data.Dataset):
 DATASETS = ["folder", "synthetic", "fashion_mnist", "cifar10", "cifar100", "svhn"]
 
 
-class Holdout(torch.utils.data.Subset):
-    """A contiguous part of a labelled dataset that keeps its `classes`."""
-
-    def __init__(self, dataset, start, stop):
-        super().__init__(dataset, range(start, stop))
-        self.classes = getattr(dataset, "classes", None)
-
-
 def build_dataset(args, train=True):
-    """The dataset named by --dataset (PIL images, int labels), train or test split; with --holdout N
-    both come from the train split: all but its last N images, and those N. folder: --data_path is
-    an ImageFolder root (its train/ if present); the test split is --data_path/val (or /test)."""
+    """The train or test split (PIL images, int labels) of --dataset; with --holdout N both come from
+    the train split: all but its last N images, and those N."""
     holdout = getattr(args, "holdout", 0)
-    if holdout:
-        full = named_dataset(args, train=True)
-        if not 0 < holdout < len(full):
-            die(f"--holdout {holdout} must be between 1 and the {len(full)} train images minus one")
-        n = len(full) - holdout
-        return Holdout(full, 0, n) if train else Holdout(full, n, len(full))
-    return named_dataset(args, train)
+    if not holdout:
+        return named_dataset(args, train)
+    full = named_dataset(args, train=True)
+    if not 0 < holdout < len(full):
+        die(f"--holdout {holdout} must be between 1 and the {len(full)} train images minus one")
+    part = torch.utils.data.Subset(full, range(len(full) - holdout) if train else range(len(full) - holdout, len(full)))
+    part.classes = getattr(full, "classes", None)
+    return part
 
 
 def named_dataset(args, train):
@@ -1029,9 +872,8 @@ def named_dataset(args, train):
 
 
 def build_eval_splits(args):
-    """(train, test) datasets for evaluation, the test labels numbered as the train split numbers the
-    same class names: ImageFolder numbers each split's folders on its own, so a val/ holding a subset
-    of train/'s classes would get shifted labels. A test class unknown to the train split is refused."""
+    """(train, test) splits, the test labels numbered by the train split's class names: ImageFolder
+    numbers each split on its own, so a val/ with fewer classes would get shifted labels."""
     train, test = build_dataset(args, train=True), build_dataset(args, train=False)
     train_classes, test_classes = getattr(train, "classes", None), getattr(test, "classes", None)
     if train_classes is None or test_classes is None or list(train_classes) == list(test_classes):
@@ -1052,9 +894,7 @@ def build_eval_splits(args):
     return train, test
 
 
-# ================================================================================================
-# B2. Processes, devices, loaders and preemption signals
-# ================================================================================================
+# ======== B2. Processes, devices, loaders and preemption signals ==================================
 def init_distributed(device="auto"):
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); one process when
     absent. Backend: nccl on GPU, gloo on CPU. Returns the torch.device this process uses."""
@@ -1072,92 +912,53 @@ def init_distributed(device="auto"):
         if not torch.cuda.is_available():
             die("--device cuda requested but no GPU is visible")
         torch.cuda.set_device(device)
-        use_authors_cuda_settings()
+        # the authors' cuDNN autotuning, and TF32 float32 matmuls as in their torch (1.7-1.8)
+        torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     return device
 
 
-def use_authors_cuda_settings():
-    """cuDNN autotuning (the authors' `cudnn.benchmark = True`) and TF32 for float32 matmuls and
-    convolutions: the default of the authors' torch (1.7-1.8), so `--precision fp32` and the float32
-    DINO heads compute as theirs did. No effect on CPUs."""
-    torch.backends.cudnn.benchmark = True
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-
 def all_gather_objects(obj):
     """Collective: `obj` from every process, in rank order ([obj] without a process group)."""
-    if not is_dist():
-        return [obj]
-    out = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [obj] * get_world_size()
+    if is_dist():
+        dist.all_gather_object(out, obj)
     return out
 
 
-# bf16 pays only where the hardware computes in it: on an AVX2-only AMD EPYC, torch's emulation made
-# a 1024 x 1024 matmul 94x slower than fp32 and a ViT-S/16 step about 25x (docs/PERFORMANCE.md).
-EMULATED_BF16_SLOWDOWN = "a ViT-S/16 step about 25x slower than in fp32 (measured on an AVX2-only AMD EPYC)"
-
-
-def choose_precision(device_type, cuda_bf16, cpu_native_bf16, cpu_capability):
-    """What `--precision auto` runs, and why (a pure function of `precision_facts`, testable anywhere):
-    a GPU with native bf16: bf16 (fp16's speed, fp32's range); a GPU without: fp16 with a grad scaler,
-    as the authors of DINO, EsViT, GLSD and SelfPatch train; a CPU with AVX512-BF16 or AMX-BF16: bf16;
-    anything else: fp32 (bf16 would be emulated)."""
-    if device_type == "cuda":
-        if cuda_bf16:
-            return "bf16", "this GPU computes in bf16 natively"
-        return "fp16", "this GPU has no native bf16: fp16 with a grad scaler, as the authors train"
-    if device_type != "cpu":
-        return "fp32", f"no mixed-precision rule for {device_type} devices"
-    if not cpu_native_bf16:
-        return "fp32", (f"this CPU has no native bf16 (torch CPU capability {cpu_capability}, no AVX512-BF16 "
-                        f"or AMX-BF16): emulated bf16 would make {EMULATED_BF16_SLOWDOWN}")
-    return "bf16", f"this CPU has native bf16 (AVX512-BF16 or AMX-BF16; torch CPU capability {cpu_capability})"
-
-
-def cpu_has_native_bf16():
-    """AVX512-BF16 or AMX-BF16, as torch's cpuinfo reports them (else the Linux kernel's flags)."""
-    if hasattr(torch.cpu, "get_capabilities"):
-        capabilities = torch.cpu.get_capabilities()
-        return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
-    with contextlib.suppress(OSError):
-        flags = Path("/proc/cpuinfo").read_text().split()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    return False
-
-
-def cuda_has_native_bf16(device):
-    """Native bf16 (Ampere or newer), not emulation; a torch without `including_emulation` is
-    answered from the compute capability."""
-    try:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:
-        return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-def precision_facts(device):
-    """What `choose_precision` needs to know about `device`, as torch reports it."""
-    return dict(device_type=device.type, cuda_bf16=device.type == "cuda" and cuda_has_native_bf16(device),
-                cpu_native_bf16=cpu_has_native_bf16(), cpu_capability=torch.backends.cpu.get_cpu_capability())
+def choose_precision(device):
+    """What `--precision auto` runs on `device`, and why: bf16 where the GPU (Ampere or newer) or the
+    CPU (AVX512-BF16, AMX-BF16) computes in it natively; on an older GPU fp16 with a grad scaler, as
+    the authors train; else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an AVX2 EPYC)."""
+    if device.type == "cuda":
+        try:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:                        # an older torch: from the compute capability
+            native = torch.cuda.get_device_capability(device) >= (8, 0)
+        return ("bf16", "this GPU computes in bf16 natively") if native else (
+            "fp16", "this GPU has no native bf16: fp16 with a grad scaler, as the authors train")
+    if device.type != "cpu":
+        return "fp32", f"no mixed-precision rule for {device.type} devices"
+    cpu = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    capability = torch.backends.cpu.get_cpu_capability()
+    if cpu.get("avx512_bf16") or cpu.get("amx_bf16"):
+        return "bf16", f"this CPU has native bf16 (AVX512-BF16 or AMX-BF16; torch CPU capability {capability})"
+    return "fp32", (f"this CPU has no native bf16 (torch CPU capability {capability}, no AVX512-BF16 or "
+                    f"AMX-BF16): emulated bf16 would make a ViT-S/16 step about 25x slower than fp32")
 
 
 def resolve_precision(args, device):
-    """Replace `--precision auto` by `choose_precision`'s pick and log why; args then records the
-    precision that runs and `precision_auto`. An explicit bf16 on a CPU without native bf16 runs,
-    after one warning."""
-    facts = precision_facts(device)
+    """Replace `--precision auto` by `choose_precision`'s pick (recorded with `precision_auto`), logged
+    with its reason; an explicit bf16 where `auto` would not pick it runs after one warning."""
+    choice, reason = choose_precision(device)
     args.precision_auto = args.precision == "auto"
     if args.precision_auto:
-        args.precision, reason = choose_precision(**facts)
-        log(f"precision: {args.precision} (--precision auto: {reason})")
-    elif args.precision == "bf16" and device.type == "cpu" and not facts["cpu_native_bf16"]:
-        log(f"warning: --precision bf16 on a CPU without native bf16 (torch CPU capability {facts['cpu_capability']}, "
-            f"no AVX512-BF16 or AMX-BF16): torch emulates it; expect {EMULATED_BF16_SLOWDOWN}. "
-            f"--precision auto picks fp32 here")
+        args.precision = choice
+        log(f"precision: {choice} (--precision auto: {reason})")
+    elif args.precision == "bf16" and device.type == "cpu" and choice != "bf16":
+        log(f"warning: --precision bf16: {reason}; --precision auto picks fp32 here")
 
 
 def fix_random_seeds(seed):
@@ -1168,9 +969,8 @@ def fix_random_seeds(seed):
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler that can start an epoch at a given batch (a mid-epoch resume). Rank r of n
-    takes every n-th index of one permutation of (seed, epoch). With `with_epoch` it yields
-    (index, epoch) pairs, for a `SeededDataset`."""
+    """DistributedSampler that can start an epoch at a given batch (a mid-epoch resume); with
+    `with_epoch` it yields (index, epoch) pairs, for a `SeededDataset`."""
 
     def __init__(self, dataset, batch_size, shuffle, seed, drop_last, with_epoch=False):
         super().__init__(dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=shuffle, seed=seed,
@@ -1196,9 +996,8 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
 
 
 def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
-    """DataLoader over a `ResumableSampler`, so the order of samples is a function of (seed, epoch)
-    only; its own generator, so an epoch's iterator draws nothing from the global RNG (resumed runs
-    stay bit-identical); persistent workers (a `SeededDataset` gets the epoch with every index)."""
+    """DataLoader whose order is a function of (seed, epoch) only; its own generator keeps the global
+    RNG untouched (resumed runs stay bit-identical); persistent workers."""
     if train and len(dataset) < batch_size * get_world_size():
         die(f"the dataset has {len(dataset)} images, fewer than one batch "
             f"({batch_size} per process x {get_world_size()} processes); lower --batch_size_per_gpu")
@@ -1221,10 +1020,8 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class PreemptibleLoader(torch.utils.data.DataLoader):
-    """SLURM and torchrun send the preemption signal to every process of the job, loader workers
-    included; a worker killed by it would take training down before the checkpoint. So workers
-    ignore it (`ignore_preemption_signals`), and are started with the signals blocked, because until
-    their `worker_init_fn` runs torch's own handler would let the signal kill them."""
+    """SLURM and torchrun signal loader workers too, whose death would stop training before the
+    checkpoint: workers start with the signals blocked, then ignore them (`ignore_preemption_signals`)."""
     def __iter__(self):
         if self.num_workers == 0:
             return super().__iter__()
@@ -1243,8 +1040,7 @@ def ignore_preemption_signals(_worker_id):
 
 
 def install_preemption_handler():
-    """On SIGTERM or SIGUSR1 (cluster preemption, SLURM's --signal), only set a flag: the training
-    loop finishes its step, writes a checkpoint and exits 0 (`preemption_requested`)."""
+    """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0."""
     def handler(signum, frame):
         global _preemption_signal
         _preemption_signal = signal.Signals(signum).name
@@ -1253,21 +1049,17 @@ def install_preemption_handler():
 
 
 def end_loader_workers():
-    """At exit, a loader worker still alive (an error left its iterator undeleted) ignores the SIGTERM
-    of multiprocessing's exit handler, which would wait for it forever: SIGKILL it (without torch's
-    SIGCHLD handler, which would report its death as an error). Registered by `run_script`."""
+    """At exit, SIGKILL loader workers still alive: they ignore multiprocessing's SIGTERM, which would
+    wait for them forever (torch's SIGCHLD handler is removed first: no error report)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()
 
 
-# ================================================================================================
-# B3. Checkpoints, resume, and one run per --output_dir
-# ================================================================================================
+# ======== B3. Checkpoints, resume, and one run per --output_dir ===================================
 def rng_state():
-    """This process's RNG states, as types `torch.load(weights_only=True)` accepts (of CUDA's, the
-    generator of this process's own GPU)."""
+    """This process's RNG states (of CUDA's, its own GPU's), in types `weights_only` loading accepts."""
     np_state, py_state = np.random.get_state(), random.getstate()
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_available() else [],
@@ -1290,8 +1082,7 @@ def set_rng_state(state):
 
 
 def save_checkpoint(state, path):
-    """Write atomically (a temporary file in the same folder, fsync, rename), so a crash leaves the
-    old or the new file, never a truncated one; a full disk is one line and keeps the old file."""
+    """Write atomically (temporary file, fsync, rename): a crash leaves the old or the new file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -1315,19 +1106,13 @@ def remove_stale_temporaries(output_dir):
     """Delete the temporary files that a killed `save_checkpoint` left (not those of a live process)."""
     for tmp in Path(output_dir).glob(".*.pth.tmp*"):
         pid = tmp.name.rsplit(".tmp", 1)[1]
-        if pid.isdigit() and not process_alive(int(pid)):
+        try:
+            os.kill(int(pid), 0)           # alive (PermissionError: another user's): a save in progress, kept
+        except ProcessLookupError:
             tmp.unlink(missing_ok=True)
             log(f"removed {tmp}, left by an interrupted checkpoint write")
-
-
-def process_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+        except (ValueError, PermissionError):
+            pass
 
 
 def load_checkpoint(path):
@@ -1358,9 +1143,8 @@ def load_state_dict_strict(module, state_dict, what="model"):
 
 
 def restore(checkpoint, **objects):
-    """Load every named object (module, optimizer, grad scaler, loss) from `checkpoint`, modules
-    strictly. A grad scaler follows this run's precision, which `auto` may choose otherwise than the
-    checkpoint's run did (another GPU): a missing scale starts afresh, an unneeded one is dropped."""
+    """Load every named object from `checkpoint` (modules strictly). A grad scaler follows this run's
+    precision: a missing scale starts afresh, an unneeded one is dropped."""
     for name, obj in objects.items():
         if name not in checkpoint:
             die(f"checkpoint has no {name!r} entry (written by another script?)")
@@ -1383,14 +1167,11 @@ RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_i
 
 
 def check_crop_sizes(args):
-    """Every crop is tiled exactly by the last tokens (else a ViT stops deep inside timm and a Swin
-    silently pads its token maps, off the crop's geometry); crop area ranges are (min, max)."""
+    """Every crop is tiled by whole tokens (else a ViT stops inside timm, a Swin silently pads)."""
     check_scale_range("--global_crops_scale", args.global_crops_scale)
+    sizes, stride = {"--global_crop_size": args.global_crop_size}, token_stride(args.arch, args.patch_size)
     if args.local_crops_number:
         check_scale_range("--local_crops_scale", args.local_crops_scale)
-    stride = token_stride(args.arch, args.patch_size)
-    sizes = {"--global_crop_size": args.global_crop_size}
-    if args.local_crops_number:
         sizes["--local_crop_size"] = args.local_crop_size
     for flag, size in sizes.items():
         if size % stride:
@@ -1405,37 +1186,27 @@ def check_scale_range(flag, scale):
 
 
 def checkpoint_to_resume(args, method):
-    """The checkpoint.pth of --output_dir to resume from, or None: written by `method`, readable and
-    trained with the same arguments (`check_resumed_args`). Also removes stale temporary files."""
-    path = Path(args.output_dir) / "checkpoint.pth"
-    ckpt = None
+    """--output_dir's checkpoint.pth, written by `method` with the same arguments, or None."""
+    path, ckpt = Path(args.output_dir) / "checkpoint.pth", None
     if path.exists():
         ckpt = load_checkpoint(path)
         written_by = ckpt.get("method") if isinstance(ckpt, dict) else None
         if written_by != method:
-            who = f"{written_by}.py" if written_by else "another program"
-            die(f"{path} was written by {who}, not {method}.py: give {method}.py its own --output_dir "
-                f"(default runs/{method})")
+            die(f"{path} was written by {f'{written_by}.py' if written_by else 'another program'}, not {method}.py: "
+                f"give {method}.py its own --output_dir (default runs/{method})")
         check_resumed_args(ckpt, args, path)
     if is_main_process():
         remove_stale_temporaries(args.output_dir)
     return ckpt
 
 
-def as_plain(value):
-    """Tuples and lists compare alike (args.json and checkpoints store tuples as lists)."""
-    return list(value) if isinstance(value, (tuple, list)) else value
-
-
 def check_resumed_args(ckpt, args, path):
-    """Refuse to resume with arguments that change what is trained (architecture, head, crops, lr,
-    batch, ...), in one line naming each difference; --allow_changed_args resumes anyway."""
-    old, new = ckpt.get("args", {}), vars(args)
-    changed = [k for k in sorted(old.keys() & new.keys())
-               if k not in RUN_ONLY_ARGS and k != "epochs" and as_plain(old[k]) != as_plain(new[k])]
+    """Refuse, in one line naming each, changed arguments that change what is trained."""
+    old, new = ckpt.get("args", {}), json.loads(json.dumps(vars(args)))    # tuples as lists, as stored
+    changed = [k for k in sorted(old.keys() & new.keys()) if k not in RUN_ONLY_ARGS and k != "epochs" and old[k] != new[k]]
     if changed and not args.allow_changed_args:
         die(f"{path} was trained with other arguments: "
-            + ", ".join(f"--{k} {as_plain(old[k])} (now {as_plain(new[k])})" for k in changed)
+            + ", ".join(f"--{k} {old[k]} (now {new[k]})" for k in changed)
             + "; run with the checkpoint's values, another --output_dir, or --allow_changed_args")
     if changed:
         log(f"warning: resuming with changed arguments (--allow_changed_args): {', '.join(changed)}")
@@ -1446,9 +1217,8 @@ def check_resumed_args(ckpt, args, path):
 
 
 def dataset_record(dataset):
-    """What a checkpoint records of its training set, so that a resumed run notices another one
-    (--data_path may change, to follow moved data): the number of images and a fingerprint of the
-    class names and, per image, its path in the folder and label (read without opening an image)."""
+    """What a checkpoint records of its training set: the image count and a fingerprint of the class
+    names, paths and labels (--data_path may change; the data may not)."""
     if hasattr(dataset, "data_record"):
         return dataset.data_record
     indices, base = range(len(dataset)), dataset
@@ -1469,9 +1239,7 @@ def dataset_record(dataset):
 
 
 def resume_position(ckpt, dataset, args):
-    """(epoch, step) where a resumed run continues. The step counts batches of the checkpoint's
-    training set: another dataset (`dataset_record`) is refused; with --allow_changed_args it goes
-    on from the start of the checkpoint's epoch, and says so."""
+    """(epoch, step) to continue from; another dataset is refused (allowed: the epoch restarts)."""
     epoch, step = ckpt["epoch"], ckpt["step"]
     old, new = ckpt.get("dataset"), dataset_record(dataset)
     if old is None or old == new:
@@ -1492,8 +1260,7 @@ _output_lock = None     # this process's claim on its --output_dir (`claim_outpu
 
 
 def make_folder(path, flag):
-    """Create the folder that `flag` names, with one line where it cannot be. Returns whether it was
-    created."""
+    """Create the folder that `flag` names (one line where it cannot be); whether it was created."""
     path = Path(path)
     try:
         if path.exists() and not path.is_dir():
@@ -1506,14 +1273,11 @@ def make_folder(path, flag):
 
 
 def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
-    """Collective: make --output_dir this run's own before anything is written to it, so that two runs
-    never overwrite each other's files. Rank 0 creates the folder and holds an exclusive `flock` on
-    its `.lock` (host and pid inside, for the message) until it exits: the kernel, or the NFS server,
-    releases it when the process dies however it dies, so a lock left by a killed run is simply
-    taken over. Every process learns the outcome, so all stop together, in one line, if the folder
-    is another run's. On a filesystem without locks (Lustre mounted without `flock`) the run goes on
-    after a warning. The lock is removed at exit, and a folder this run created and left empty too.
-    `checkpoint` is what Ctrl-C names as the run's last checkpoint."""
+    """Collective: make --output_dir this run's own before anything is written to it. Rank 0 holds an
+    exclusive `flock` on its `.lock` (host and pid inside) until it exits: the kernel or the NFS
+    server releases it however the process dies, so a killed run's lock is simply taken over; all
+    processes stop together if the folder is another run's. A filesystem without locks (Lustre
+    without `flock`) gets a warning."""
     global _output_lock
     if _output_lock is not None and _output_lock["dir"] != str(output_dir):
         release_output_dir()                # one run per process (main() called again in process)
@@ -1533,47 +1297,39 @@ def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
 
 
 def take_lock(lock, output_dir):
-    """An open file descriptor holding the exclusive lock on `lock` (None where the filesystem has no
+    """An open file descriptor holding the exclusive lock on `lock` (None on a filesystem without
     locks), or stop naming the holder."""
     if _output_lock is not None and _output_lock.get("fd") is not None and _output_lock["dir"] == str(output_dir):
         return _output_lock["fd"]                                      # main() run twice in one process
     while True:
+        fd = None
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            die(f"cannot write in --output_dir {output_dir}: {e.strerror or e}")
-        try:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")     # who wrote it
+            except ValueError:
+                holder = {}                                             # junk: nobody to name
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+                break
+            os.close(fd)              # the previous holder removed the file meanwhile: lock the new one
         except OSError as e:
-            holder = read_lock(fd)
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+            if fd is None or e.errno not in (errno.EAGAIN, errno.EACCES, errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                die(f"cannot write in --output_dir {output_dir}: {e.strerror or e}")
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 who = f"pid {holder['pid']} on host {holder['host']}" if holder.get("pid") else "a run starting now"
                 die(f"--output_dir {output_dir} is in use by another run ({who}; lock {lock}): wait for it to end "
                     f"or choose another --output_dir")
-            log(f"warning: the filesystem of --output_dir {output_dir} has no file locks ({e.strerror}): nothing "
+            log(f"warning: --output_dir {output_dir} is on a filesystem without file locks ({e.strerror}): nothing "
                 f"stops a second run from using the same folder")
             return None
-        if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(fd).st_ino:
-            break
-        os.close(fd)                  # the previous holder removed the file meanwhile: lock the new one
-    holder = read_lock(fd)
     if holder.get("pid"):
         log(f"removed the stale lock {lock} of pid {holder['pid']} on {holder.get('host')}: that run has ended")
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
-    except OSError as e:
-        os.close(fd)
-        die(f"cannot write in --output_dir {output_dir}: {e.strerror or e}")
     return fd
-
-
-def read_lock(fd):
-    """Who wrote the lock file open at `fd` ({} when empty or unreadable)."""
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
-    return {}
 
 
 def release_output_dir():
@@ -1591,19 +1347,14 @@ def release_output_dir():
             Path(claim["dir"]).rmdir()      # only if empty
 
 
-# ================================================================================================
-# B4. Every way out of a script in one line
-# ================================================================================================
+# ======== B4. Every way out of a script in one line ===============================================
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer")   # gloo: a peer process has exited
 
 
 def run_script(main, parser, argv=None):
-    """Entry point of every script: parse the arguments, install the exit handler for loader workers,
-    run `main(args)`, and turn every way out into one line, never a traceback. An unreadable image
-    (maybe met in a loader worker) names the file; Ctrl-C names the last checkpoint; a process
-    whose peer stopped says so. Under torchrun the line also goes to torchrun's error file, so its
-    closing report repeats it. Finally releases --output_dir and shuts the process group down (left
-    to the interpreter's exit, gloo's threads can abort a finished process)."""
+    """Every script's entry point: run `main(args)` with every way out in one line (an unreadable image,
+    Ctrl-C, a stopped peer process), also written to torchrun's error file; then release --output_dir
+    and shut the process group down (gloo's threads can abort a process left to exit with it)."""
     atexit.register(end_loader_workers)   # after multiprocessing's exit handler, so it runs before it
     try:
         main(parser.parse_args(argv))
@@ -1611,9 +1362,13 @@ def run_script(main, parser, argv=None):
         message = "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
         report_to_torchrun(message)
         raise SystemExit(message) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:                 # where the run's last checkpoint is, if it wrote one
         close_progress_bars()
-        message = interrupted_message()
+        path = _output_lock and _output_lock["checkpoint"] and Path(_output_lock["dir"]) / _output_lock["checkpoint"]
+        message = ("interrupted (Ctrl-C)" if not path else f"interrupted (Ctrl-C) before the first checkpoint ({path}) "
+                   f"was written" if not path.exists() else f"interrupted (Ctrl-C): the last checkpoint is {path} "
+                   f"(written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(path.stat().st_mtime))}); "
+                   f"run the same command again to resume")
         report_to_torchrun(message)
         print(message, file=sys.stderr, flush=True)
         raise SystemExit(130) from None    # 128 + SIGINT, the shell's code for Ctrl-C
@@ -1636,9 +1391,7 @@ def run_script(main, parser, argv=None):
 
 
 def report_to_torchrun(message):
-    """Write `message` to torchrun's error file for this worker (TORCHELASTIC_ERROR_FILE), in the
-    format of `torch.distributed.elastic`'s `record` (which writes a traceback, and not for
-    SystemExit): torchrun's "Root Cause" block then shows this line."""
+    """`message` in torchrun's error file, as `elastic`'s `record` writes one (it skips SystemExit)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -1648,25 +1401,12 @@ def report_to_torchrun(message):
 
 
 def close_progress_bars():
-    """Close open progress bars before a last message (a bar left open is redrawn below it at exit)."""
+    """Close open progress bars (one left open is redrawn below the last message at exit)."""
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
 
 
-def interrupted_message():
-    """What Ctrl-C leaves: where the last checkpoint of this run is, if it wrote one."""
-    if _output_lock is None or _output_lock["checkpoint"] is None:
-        return "interrupted (Ctrl-C)"
-    path = Path(_output_lock["dir"]) / _output_lock["checkpoint"]
-    if not path.exists():
-        return f"interrupted (Ctrl-C) before the first checkpoint ({path}) was written"
-    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
-    return f"interrupted (Ctrl-C): the last checkpoint is {path} (written {written}); run the same command again to resume"
-
-
-# ================================================================================================
-# B5. Logging and the argument groups shared by the scripts
-# ================================================================================================
+# ======== B5. Logging and the argument groups shared by the scripts ===============================
 def log(*message):
     if is_main_process():
         print(*message, flush=True)
@@ -1680,7 +1420,6 @@ def append_log(output_dir, record):
 
 def save_args(args):
     if is_main_process():
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(args.output_dir) / "args.json", "w") as f:
             json.dump(vars(args), f, indent=2)
 
@@ -1726,13 +1465,10 @@ def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     g.add_argument("--arch", default=arch, choices=list(ARCHS),
                    help="ViT (DINO Table 8) or Swin (EsViT Table 6); *_pico are tiny CPU test models")
     g.add_argument("--patch_size", default=16, type=POSITIVE_INT,
-                   help="ViT patch size: 16 or 8 (smaller patches are much better and much slower), or any "
-                        "divisor of the crops for small images (4 at 32 px); a Swin's patch is set by --arch")
-    g.add_argument("--window_size", default=7, type=POSITIVE_INT,
-                   help="Swin window size (7, or 14 for full attention in the last two stages)")
+                   help="ViT patch size: 16 or 8 (better, much slower), or a divisor of small crops (4 at 32 px)")
+    g.add_argument("--window_size", default=7, type=POSITIVE_INT, help="Swin window size (7, or 14)")
     g.add_argument("--fit_window", default=False, type=bool_flag,
-                   help="small images: shrink each Swin stage's window to the largest size <= --window_size that "
-                        "tiles the token grid of every crop, so that no attention goes to padding")
+                   help="small images: per Swin stage the largest window <= --window_size that tiles every crop's grid")
     g.add_argument("--drop_path_rate", default=drop_path_rate, type=FRACTION, help="stochastic depth of the student")
     return g
 
@@ -1741,8 +1477,7 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
                        local_crops_number=8):
     g = parser.add_argument_group("multi-crop augmentation")
     g.add_argument("--global_crops_scale", type=AREA_FRACTION, nargs=2, default=global_crops_scale,
-                   help="area range of the 2 global crops (DINO advises a wide range, e.g. (0.14, 1) "
-                        "without local crops)")
+                   help="area range of the 2 global crops (DINO: (0.14, 1) without local crops)")
     g.add_argument("--local_crops_number", type=COUNT, default=local_crops_number,
                    help="number of small local crops (0 disables multi-crop)")
     g.add_argument("--local_crops_scale", type=AREA_FRACTION, nargs=2, default=local_crops_scale,
@@ -1750,9 +1485,8 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
     g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
     g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
     g.add_argument("--batched_crops", default=False, type=bool_flag,
-                   help="build each batch's crops at once with tensor operations (images of one size, e.g. "
-                        "Fashion-MNIST): the PIL path's random draws and, to a level or two of 255, its pixels; "
-                        "much faster on small images. Off: the papers' per-image PIL path")
+                   help="build each batch's crops at once with tensor operations (images of one size): the PIL "
+                        "path's draws, its pixels within a level on average; faster on small images")
     return g
 
 
@@ -1765,9 +1499,8 @@ def add_data_args(parser):
     g.add_argument("--synthetic_image_size", default=64, type=POSITIVE_INT, help="side of synthetic images (pixels)")
     g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic dataset to draw")
     g.add_argument("--holdout", default=0, type=COUNT,
-                   help="carve a validation split off the train split: its last N images. Training then "
-                        "uses the others, and evaluation uses the N as its test split and the others as "
-                        "its train split (the k-NN bank), so hyperparameters are chosen without the test set")
+                   help="a validation split: the train split's last N images are the test split, the others the "
+                        "train split (training and the k-NN bank), so settings are chosen without the test set")
     g.add_argument("--skip_bad_images", action="store_true",
                    help="skip unreadable image files (logged and counted) instead of stopping")
     g.add_argument("--num_workers", default=10, type=COUNT, help="data loader processes per GPU/process")
@@ -1775,8 +1508,7 @@ def add_data_args(parser):
 
 
 def add_head_size_args(group):
-    """The DINO head's MLP sizes. The authors fix 2048 / 256; a tiny CPU backbone (64-dim) trains
-    several times more steps per minute with a head sized like itself."""
+    """The DINO head's MLP sizes (the authors' 2048 / 256; smaller for tiny CPU backbones)."""
     group.add_argument("--head_hidden_dim", default=2048, type=POSITIVE_INT, help="width of the head's hidden MLP layers")
     group.add_argument("--head_bottleneck_dim", default=256, type=POSITIVE_INT,
                        help="width of the l2-normalised bottleneck before the K-way last layer")
@@ -1785,26 +1517,18 @@ def add_head_size_args(group):
 def add_run_args(parser, saveckp_freq=20):
     g = parser.add_argument_group("run")
     g.add_argument("--output_dir", default=f"runs/{Path(parser.prog).stem}", type=str,
-                   help="checkpoints and logs; a run resumes from here. One run at a time: a second one is "
-                        "refused while the first is alive (the lock file .lock holds its host and pid)")
+                   help="checkpoints and logs; a run resumes from here; one run at a time (.lock)")
     g.add_argument("--allow_changed_args", action="store_true",
-                   help="resume although arguments that change what is trained, or the dataset, differ from the "
-                        "checkpoint's (on another dataset the epoch starts again at its first batch)")
+                   help="resume although what is trained, or the dataset (then from the epoch's start), changed")
     g.add_argument("--saveckp_freq", default=saveckp_freq, type=COUNT, help="keep a copy every N epochs")
     g.add_argument("--seed", default=0, type=COUNT, help="seeds weights, data order and augmentations")
     g.add_argument("--device", default="auto",
-                   help="auto (CUDA when present), cpu, cuda, or cuda:N (one process only: under torchrun each "
-                        "process takes the GPU of its LOCAL_RANK)")
+                   help="auto (CUDA when present), cpu, cuda, or cuda:N (one process; torchrun: LOCAL_RANK's GPU)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                   help="autocast dtype. auto: bf16 on GPUs with native bf16, else fp16 with a grad scaler (as "
-                        "DINO's authors train); on CPUs bf16 only with native bf16 (AVX512-BF16 or AMX-BF16), "
-                        "else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an "
-                        "AVX2-only CPU); the choice and its reason are logged. fp16 uses a grad scaler (on CPU "
-                        "only for testing: slow). On CUDA, fp32 matmuls and convolutions use TF32, as in the "
-                        "authors' torch, and under bf16 the DINO heads compute in fp32")
+                   help="autocast dtype. auto: bf16 where the GPU or CPU has native bf16, fp16 with a grad scaler "
+                        "on older GPUs (as the authors), else fp32; the choice is logged. On CUDA fp32 uses TF32")
     g.add_argument("--save_every_iters", default=0, type=COUNT,
-                   help="also write checkpoint.pth every N steps inside an epoch (long epochs); a run "
-                        "resumes at the next unseen batch")
+                   help="also write checkpoint.pth every N steps (long epochs; resumes at the next unseen batch)")
     g.add_argument("--max_steps_per_epoch", default=0, type=COUNT,
-                   help="stop each epoch after N steps (0 = full epoch); for smoke tests")
+                   help="stop each epoch after N steps (0 = full epoch)")
     return g

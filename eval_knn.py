@@ -41,6 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
+from timm.layers import Mlp
+from timm.models.cait import ClassAttn
 
 import common
 
@@ -92,10 +94,37 @@ def check_eval_crop(crop, arch, patch_size):
             f"use e.g. {max(patch_size, crop // patch_size * patch_size)}")
 
 
+class ClassAttentionPool(nn.Module):
+    """Class-attention pooling (CaiT without LayerScale), with the key names of SelfPatch's aggregation
+    module: a learned query attends over [query; tokens] in each block, then a LayerNorm. Rebuilds
+    the image token of a checkpoint whose backbone record says "ca_head" (selfpatch.py trains it;
+    tests/test_selfpatch.py checks that the two agree). Initialised as selfpatch.py does."""
+
+    def __init__(self, dim, num_heads, num_blocks=2):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.cls_blocks = nn.ModuleList(nn.ModuleDict(dict(
+            norm1=nn.LayerNorm(dim, eps=1e-6), attn=ClassAttn(dim, num_heads, qkv_bias=True),
+            norm2=nn.LayerNorm(dim, eps=1e-6), mlp=Mlp(dim, 4 * dim))) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, tokens):
+        """tokens [B, T, C] -> the image token [B, C]."""
+        query = self.cls_token.expand(len(tokens), -1, -1)
+        for block in self.cls_blocks:
+            query = query + block.attn(block.norm1(torch.cat([query, tokens], dim=1)))
+            query = query + block.mlp(block.norm2(query))
+        return self.norm(query[:, 0])
+
+
 class PooledViT(nn.Module):
-    """SelfPatch's network for evaluation: `model(x)` is the image token of the aggregation module
-    over the raw tokens of the CLS-free ViT [B, D] (before the heads). Key names `backbone.*` and
-    `ca_head.*` as in SelfPatch's checkpoints."""
+    """A CLS-free ViT read through class-attention pooling (SelfPatch's network for evaluation):
+    `model(x)` is the image token [B, D]. Key names `backbone.*` and `ca_head.*` as in its checkpoints."""
 
     def __init__(self, backbone, ca_head):
         super().__init__()
@@ -103,7 +132,7 @@ class PooledViT(nn.Module):
 
     def forward(self, images):
         _, grid = self.backbone.forward_dense(images, norm=False)
-        return self.ca_head.image_token(grid.flatten(1, 2))
+        return self.ca_head(grid.flatten(1, 2))
 
 
 def recorded_backbone(ckpt):
@@ -203,7 +232,7 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
 
     backbone = common.build_backbone(**build, drop_path_rate=0.0)
     if record.get("image_token") == "ca_head":  # SelfPatch: the aggregation module's image token
-        model = PooledViT(backbone, common.ClassAttentionPool(backbone.num_features, backbone.blocks[0].attn.num_heads))
+        model = PooledViT(backbone, ClassAttentionPool(backbone.num_features, backbone.blocks[0].attn.num_heads))
         if not random_init:
             state = {k: v for k, v in state.items() if k.startswith(("backbone.", "ca_head."))}  # not the heads
             common.load_state_dict_strict(model, state, what=f"{method} {checkpoint_key} backbone and aggregation module")

@@ -217,7 +217,8 @@ def train_one_epoch(model, classifier, loader, optimizer, epoch, args, device):
         optimizer.step()
         total_loss += loss.detach()
         bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-    return {"train_loss": common.all_reduce_mean(total_loss).item() / max(n_steps, 1),
+    loss = common.all_reduce_sum(total_loss).item() / common.get_world_size()     # mean over the processes
+    return {"train_loss": loss / max(n_steps, 1),
             "lr": optimizer.param_groups[0]["lr"]}
 
 

@@ -74,6 +74,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import Mlp
+from timm.models.cait import ClassAttn
 
 import common
 
@@ -248,12 +250,46 @@ def select_positives(tokens, neighbors, valid, k):
 # ================================================================================================
 # Model: ViT without CLS token + aggregation module + image and patch heads over all crops
 # ================================================================================================
-class AggregationModule(common.ClassAttentionPool):
-    """A learned query, two class-attention blocks (CaiT's, without LayerScale; on timm's `ClassAttn`)
-    and a final LayerNorm: the authors' `SelfPatchHead`, with their key names. Summarises a set of
-    tokens into one: all patches of an image (the image token), or the positives of one patch.
-    The architecture is in common.py, because evaluation rebuilds the image token from a checkpoint
-    (eval_knn.py's `load_backbone`); what training adds, the patch outputs, is here."""
+class ClassAttentionBlock(nn.Module):
+    """CaiT's class-attention block without LayerScale: the query attends over [query; tokens] and
+    only it is updated (timm's modules carry the SelfPatch authors' submodule names)."""
+
+    def __init__(self, dim, num_heads, mlp_ratio=4.0, eps=1e-6):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = ClassAttn(dim, num_heads, qkv_bias=True)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, query, tokens):
+        """query [M, 1, C], tokens [M, T, C] -> the updated query [M, 1, C]."""
+        query = query + self.attn(self.norm1(torch.cat([query, tokens], dim=1)))
+        return query + self.mlp(self.norm2(query))
+
+
+class AggregationModule(nn.Module):
+    """The authors' `SelfPatchHead`, with their key names: a learned query, two class-attention blocks
+    and a final LayerNorm. Summarises a set of tokens into one: all patches of an image (the image
+    token), or the positives of one patch. (eval_knn.py's `ClassAttentionPool` rebuilds the image
+    token from a checkpoint; tests/test_selfpatch.py checks that the two agree.)"""
+
+    def __init__(self, dim, num_heads, num_blocks=2):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))       # the learned query (authors' name)
+        self.cls_blocks = nn.ModuleList(ClassAttentionBlock(dim, num_heads) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    def summarize(self, tokens):
+        """tokens [M, T, C] -> [M, C], before the final LayerNorm."""
+        query = self.cls_token.expand(len(tokens), -1, -1)
+        for block in self.cls_blocks:
+            query = block(query, tokens)
+        return query[:, 0]
 
     def forward(self, tokens, positives=None):
         """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs are the

@@ -212,7 +212,8 @@ def test_default_precision_is_chosen_logged_and_recorded(tmp_path):
     result = run_dino("--epochs", "1", "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path),
                       "--precision", "auto")
     assert result.returncode == 0, result.stderr[-2000:]
-    expected, why = ("bf16", "has native bf16") if common.cpu_has_native_bf16() else ("fp32", "no native bf16")
+    expected = common.choose_precision(torch.device("cpu"))[0]
+    why = "has native bf16" if expected == "bf16" else "no native bf16"
     (line,) = [x for x in result.stdout.splitlines() if x.startswith(f"precision: {expected} (--precision auto: ")]
     assert why in line and "warning" not in result.stdout
     recorded = json.loads((tmp_path / "args.json").read_text())

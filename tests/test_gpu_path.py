@@ -132,12 +132,11 @@ def test_native_bf16_check_without_including_emulation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)   # an old signature: emulation counts
     for capability, native in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert common.cuda_has_native_bf16(gpu) is native
-        assert common.precision_facts(gpu)["cuda_bf16"] is native
+        assert common.choose_precision(gpu)[0] == ("bf16" if native else "fp16")
     for native in (False, True):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native:
                             including_emulation or n)
-        assert common.cuda_has_native_bf16(gpu) is native
+        assert common.choose_precision(gpu)[0] == ("bf16" if native else "fp16")
 
 
 # ------------------------------------------------------------------------------------------------
