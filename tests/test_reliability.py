@@ -1,6 +1,11 @@
 """Reliability of the training scripts: exact resume (epoch boundary and mid-epoch), 1-process vs
-2-process equality, preemption by signal, and bad input. Every run is a real subprocess on the
-`synthetic` data (tiny sizes, CPU)."""
+2-process equality, preemption by signal, and bad input, on the `synthetic` data (tiny sizes, CPU).
+A run is a real subprocess where the behaviour is the process's (signals, torchrun, loader workers,
+the one-line error on stderr with exit status 1); otherwise the script's own entry point runs in this
+process (`run_here`), which saves the ~4 s start-up of an interpreter with torch and timm."""
+import contextlib
+import importlib
+import io
 import json
 import os
 import shutil
@@ -16,6 +21,9 @@ import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 TINY = {"--arch": "vit_pico", "--dataset": "synthetic", "--synthetic_images": "48", "--synthetic_image_size": "32",
@@ -39,7 +47,52 @@ def run(script, *args, driver=None, timeout=300):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-# Runs a training script, pretending that a preemption signal arrived just before the n-th check.
+def run_here(script, *args, merge=False):
+    """What `run(script, *args)` gives, computed in this process: the script's own entry point
+    (`common.run_script(main, parser, argv)`) with one thread, as under OMP_NUM_THREADS=1. Returns a
+    subprocess.CompletedProcess: exit status 0, the code of sys.exit(code), or 1 with die()'s line
+    last on stderr (as the interpreter prints it); stdout and stderr as the process writes them
+    (merge: stderr into stdout, as 2>&1). An exception that would end the process with a traceback
+    is raised, so that the test fails on it. Signal handlers and the preemption flag are restored."""
+    if script.startswith("extras/") and str(ROOT / "extras") not in sys.path:
+        sys.path.append(str(ROOT / "extras"))
+    module = importlib.import_module(Path(script).stem)
+    out = io.StringIO()
+    err = out if merge else io.StringIO()
+    threads = torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                common.run_script(module.main, module.get_args_parser(), [str(a) for a in args])
+                code = 0
+            except SystemExit as e:
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+    finally:
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        common._preemption_signal = None
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), "" if merge else err.getvalue())
+
+
+def start(*cmd):
+    """`python *cmd` (a script and its arguments, or -m torch.distributed.run ...) started in the
+    background, so that this process can work meanwhile: `finish` it."""
+    return subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# Runs a training script, pretending that a preemption signal arrived just before the n-th check
+# (`stop_at_check` does the same in this process).
 STOP_AT_CHECK = """
 import runpy, sys
 import common
@@ -134,44 +187,50 @@ def dino_uninterrupted(tmp_path_factory):
 
 def test_resume_at_epoch_boundary_is_bit_identical(dino_uninterrupted, tmp_path):
     shutil.copy(dino_uninterrupted / "checkpoint0001.pth", tmp_path / "checkpoint.pth")
-    result = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    result = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "epoch 1, step 0" in result.stdout
     assert_same_state(load(dino_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
 
 
-def test_resume_mid_epoch_is_bit_identical(dino_uninterrupted, tmp_path):
+def stop_at_check(monkeypatch, n):
+    """STOP_AT_CHECK for `run_here`: the n-th preemption check finds a (simulated) SIGTERM."""
+    real, calls = common.preemption_requested, [0]
+
+    def preemption_requested(device):
+        calls[0] += 1
+        if calls[0] == n:
+            common._preemption_signal = "SIGTERM (simulated)"
+        return real(device)
+    monkeypatch.setattr(common, "preemption_requested", preemption_requested)
+
+
+def test_resume_mid_epoch_is_bit_identical(dino_uninterrupted, tmp_path, monkeypatch):
     # stop after the 2nd step of epoch 0 (the 2nd check), as a preempted job would
-    first = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path), driver=STOP_AT_CHECK.replace("N_CHECK", "2"))
+    with monkeypatch.context() as patch:
+        stop_at_check(patch, 2)
+        first = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "run the same command again to resume" in first.stdout
+    assert "received SIGTERM (simulated)" in first.stdout and "run the same command again to resume" in first.stdout
     ckpt = load(tmp_path / "checkpoint.pth")
     assert (ckpt["epoch"], ckpt["step"]) == (0, 2)
-    second = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    second = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "epoch 0, step 2" in second.stdout
     assert_same_state(load(dino_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
 
 
-# Runs a training script and prints every checkpoint it writes.
-SPY_SAVES = """
-import runpy, sys
-import common
-real = common.save_checkpoint
-def save_checkpoint(state, path):
-    print("saved", path.name, "epoch", state.get("epoch"), "step", state.get("step"), flush=True)
-    real(state, path)
-common.save_checkpoint = save_checkpoint
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+def test_save_every_iters_writes_mid_epoch_checkpoints(tmp_path, monkeypatch):
+    real, written = common.save_checkpoint, []
 
-
-def test_save_every_iters_writes_mid_epoch_checkpoints(tmp_path):
-    result = run("dino.py", *tiny(epochs="1", max_steps_per_epoch="5", save_every_iters="2"),
-                 "--output_dir", str(tmp_path), driver=SPY_SAVES)
+    def save_checkpoint(state, path):        # every checkpoint the run writes
+        written.append(f"saved {path.name} epoch {state.get('epoch')} step {state.get('step')}")
+        real(state, path)
+    monkeypatch.setattr(common, "save_checkpoint", save_checkpoint)
+    result = run_here("dino.py", *tiny(epochs="1", max_steps_per_epoch="5", save_every_iters="2"),
+                      "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    saves = [line for line in result.stdout.splitlines() if line.startswith("saved checkpoint.pth")]
+    saves = [line for line in written if line.startswith("saved checkpoint.pth")]
     assert saves == ["saved checkpoint.pth epoch 0 step 2", "saved checkpoint.pth epoch 0 step 4",
                      "saved checkpoint.pth epoch 1 step 0"]
 
@@ -180,11 +239,11 @@ def test_two_processes_equal_one_process(tmp_path):
     """torchrun --nproc_per_node=2 with batch b per process == one process with batch 2b
     (same data order and crops, averaged gradients, all-reduced centers); drop path off."""
     args = tiny(drop_path_rate="0", epochs="1")
-    one = run("dino.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one"))
+    two = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "dino.py", *args,
+                "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two"))
+    one = run_here("dino.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one"))  # meanwhile
+    two = finish(two)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "dino.py", *args, "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = load(tmp_path / "one" / "checkpoint.pth"), load(tmp_path / "two" / "checkpoint.pth")
     assert len(b["rng"]) == 2 and len(a["rng"]) == 1
@@ -209,7 +268,8 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
     assert not (tmp_path / ".lock").exists()       # the preempted run released its --output_dir
     ckpt = load(tmp_path / "checkpoint.pth")
     assert ckpt["epoch"] < 50
-    resumed = run("dino.py", *tiny(max_steps_per_epoch="0", epochs=str(ckpt["epoch"] + 1)), "--output_dir", str(tmp_path))
+    resumed = run_here("dino.py", *tiny(max_steps_per_epoch="0", epochs=str(ckpt["epoch"] + 1)),
+                       "--output_dir", str(tmp_path))
     # a different --epochs changes the schedules, but the run must still load and continue
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {ckpt['epoch']}, step {ckpt['step']}" in resumed.stdout
@@ -238,20 +298,13 @@ FOLDER_ARGS = tiny(dataset="folder", synthetic_images=None, synthetic_image_size
                    max_steps_per_epoch="0", epochs="1")
 
 
-# Runs a training script whose fp16 grad scaler starts at a scale that makes every gradient overflow.
-HUGE_SCALE = """
-import runpy, sys, torch
-import common
-common.make_grad_scaler = lambda device, precision: torch.amp.GradScaler(device.type, init_scale=2.0 ** 40)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def test_fp16_overflow_is_skipped_by_the_grad_scaler_without_stopping(tmp_path):
+def test_fp16_overflow_is_skipped_by_the_grad_scaler_without_stopping(tmp_path, monkeypatch):
     """Issue: "fp16 overflow is handled by the grad scaler without stopping". fp16 autocast runs on
     CPU (slowly) for this test: every step overflows, is skipped, and the scale halves."""
-    result = run("dino.py", *tiny(epochs="1"), "--precision", "fp16", "--output_dir", str(tmp_path), driver=HUGE_SCALE)
+    # a grad scaler that starts at a scale that makes every gradient overflow
+    monkeypatch.setattr(common, "make_grad_scaler",
+                        lambda device, precision: torch.amp.GradScaler(device.type, init_scale=2.0 ** 40))
+    result = run_here("dino.py", *tiny(epochs="1"), "--precision", "fp16", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     ckpt = load(tmp_path / "checkpoint.pth")
     assert ckpt["scaler"]["scale"] == 2.0 ** 40 / 2 ** 3          # 3 steps, 3 overflows
@@ -260,19 +313,27 @@ def test_fp16_overflow_is_skipped_by_the_grad_scaler_without_stopping(tmp_path):
 
 def test_unusual_image_modes_are_converted(tmp_path):
     make_folder(tmp_path / "data", bad=False)
-    r = run("dino.py", *FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"))
+    r = run_here("dino.py", *FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_truncated_image_is_named_or_skipped(tmp_path, workers):
+    """With loader workers, both runs are real processes (at once): the error and the warning come
+    from a worker."""
     make_folder(tmp_path / "data")
     base = [*FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--num_workers", workers]
-    r = run("dino.py", *base, "--output_dir", str(tmp_path / "out1"))
-    assert r.returncode != 0
+    if workers == "0":
+        r = run_here("dino.py", *base, "--output_dir", str(tmp_path / "out1"))
+        skipped = run_here("dino.py", *base, "--skip_bad_images", "--output_dir", str(tmp_path / "out2"))
+    else:
+        stopped = start("dino.py", *base, "--output_dir", str(tmp_path / "out1"))
+        skipped = run("dino.py", *base, "--skip_bad_images", "--output_dir", str(tmp_path / "out2"))
+        r = finish(stopped)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot read image") and "truncated.jpg" in last and "--skip_bad_images" in last
-    r = run("dino.py", *base, "--skip_bad_images", "--output_dir", str(tmp_path / "out2"))
+    r = skipped
     assert r.returncode == 0, r.stderr[-3000:]
     assert "truncated.jpg" in r.stderr
     assert '"skipped_images": 1' in (tmp_path / "out2" / "log.txt").read_text()
@@ -285,7 +346,7 @@ def test_truncated_image_is_named_or_skipped(tmp_path, workers):
     ("other_arch_checkpoint", "--arch vit_pico (now vit_tiny)"),
     ("other_arch_checkpoint_allowed", "does not match the checkpoint"),
 ])
-def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
+def test_user_mistakes_give_one_line_errors(dino_uninterrupted, tmp_path, case, expected):
     args = [*FOLDER_ARGS, "--output_dir", str(tmp_path / "out")]
     if case == "missing":
         args += ["--data_path", str(tmp_path / "nowhere")]
@@ -294,12 +355,13 @@ def test_user_mistakes_give_one_line_errors(tmp_path, case, expected):
         args += ["--data_path", str(tmp_path / "empty")]
     elif case == "arch":
         args = ["--arch", "vit_huge", *args]
-    else:
-        args = [*tiny(epochs="1", max_steps_per_epoch="1"), "--output_dir", str(tmp_path / "out")]
-        assert run("dino.py", *args).returncode == 0
-        args = [*args, "--arch", "vit_tiny"] + (["--allow_changed_args"] if case.endswith("allowed") else [])
-    r = run("dino.py", *args)
-    assert r.returncode != 0
+    else:   # the run's checkpoint, resumed with another --arch
+        (tmp_path / "out").mkdir()
+        shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "out" / "checkpoint.pth")
+        args = [*DINO_TINY, "--output_dir", str(tmp_path / "out"), "--arch", "vit_tiny"]
+        args += ["--allow_changed_args"] if case.endswith("allowed") else []
+    r = run_here("dino.py", *args)
+    assert r.returncode == (2 if case == "arch" else 1)       # argparse's status, die()'s
     assert "Traceback" not in r.stderr
     assert expected in r.stderr.strip().splitlines()[-1]
 
@@ -362,19 +424,20 @@ def last_line(result):
 
 def test_resume_with_changed_arguments_refuses_naming_each_difference(dino_uninterrupted, tmp_path):
     shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
+    # a real process: dino.py's one-line error reaches stderr, with exit status 1
     r = run("dino.py", *DINO_TINY, "--lr", "0.001", "--local_crops_number", "4", "--output_dir", str(tmp_path))
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     line = last_line(r)
     assert "trained with other arguments" in line and "--allow_changed_args" in line
     assert "--lr 0.0005 (now 0.001)" in line and "--local_crops_number 2 (now 4)" in line
     assert not (tmp_path / "args.json").exists()          # written only once every check passed
     # extending --epochs is allowed, and so is a change of where the run happens
-    r = run("dino.py", *tiny(epochs="3", num_workers="1"), "--output_dir", str(tmp_path))
+    r = run_here("dino.py", *tiny(epochs="3", num_workers="1"), "--output_dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--epochs changed from 2 to 3" in r.stdout and load(tmp_path / "checkpoint.pth")["epoch"] == 3
     assert '"epochs": 3' in (tmp_path / "args.json").read_text()
-    r = run("dino.py", *tiny(epochs="2"), "--output_dir", str(tmp_path))
-    assert r.returncode != 0 and "already trained 3 epochs, more than --epochs 2" in last_line(r)
+    r = run_here("dino.py", *tiny(epochs="2"), "--output_dir", str(tmp_path))
+    assert r.returncode == 1 and "already trained 3 epochs, more than --epochs 2" in last_line(r)
 
 
 def test_default_output_dir_is_per_method_and_another_methods_checkpoint_is_named(dino_uninterrupted, tmp_path):
@@ -385,8 +448,8 @@ def test_default_output_dir_is_per_method_and_another_methods_checkpoint_is_name
     assert esvit.get_args_parser().parse_args([]).output_dir == "runs/esvit"
     assert drloc.get_args_parser().parse_args([]).output_dir == "runs/drloc"
     shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
-    r = run("esvit.py", *DINO_TINY, "--output_dir", str(tmp_path))
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = run("esvit.py", *DINO_TINY, "--output_dir", str(tmp_path))   # a real process: status 1, the line on stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"{tmp_path / 'checkpoint.pth'} was written by dino.py, not esvit.py" in last_line(r)
 
 
@@ -394,10 +457,10 @@ def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted
     shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f".checkpoint.pth.tmp{int(dead.stdout)}"      # left by a `kill -9` during a save
-    alive = tmp_path / f".checkpoint.pth.tmp{os.getpid()}"            # a save in progress: kept
+    alive = tmp_path / f".checkpoint.pth.tmp{os.getppid()}"           # another live process's save in progress: kept
     stale.write_bytes(b"partial")
     alive.write_bytes(b"partial")
-    r = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    r = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert not stale.exists() and alive.exists()
     assert f"removed {stale}" in r.stdout
@@ -407,8 +470,8 @@ def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted
 def test_empty_or_truncated_checkpoint_is_named(dino_uninterrupted, tmp_path, damage):
     data = (dino_uninterrupted / "checkpoint.pth").read_bytes()
     (tmp_path / "checkpoint.pth").write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
-    r = run("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     line = last_line(r)
     assert line.startswith(f"error: checkpoint {tmp_path / 'checkpoint.pth'}")
     assert ("is empty (0 bytes" if damage == "empty" else "truncated") in line
@@ -424,8 +487,8 @@ def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(t
         bad = module.get_args_parser().parse_args(["--arch", arch, "--local_crop_size", "40"])
         with pytest.raises(SystemExit, match="--local_crop_size 40 is not a multiple"):
             common.check_crop_sizes(bad)
-    r = run("dino.py", *tiny(global_crop_size="36"), "--output_dir", str(tmp_path))
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = run_here("dino.py", *tiny(global_crop_size="36"), "--output_dir", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--global_crop_size 36 is not a multiple of the vit_pico token stride (16 px)" in last_line(r)
     assert not (tmp_path / "args.json").exists()
 
@@ -454,17 +517,17 @@ def test_numeric_arguments_out_of_range_are_refused_at_parse_time(capsys, script
 @pytest.mark.parametrize("script", ["eval_knn.py", "eval_linear.py"])
 def test_eval_crop_that_is_not_a_multiple_of_the_patch_is_one_line(script, tmp_path):
     extra = ["--output_dir", str(tmp_path)] if script == "eval_linear.py" else []
-    r = run(script, "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--resize", "36", "--crop", "36",
-            "--device", "cpu", *extra)
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = run_here(script, "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--resize", "36", "--crop",
+                 "36", "--device", "cpu", *extra)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--crop 36 is not a multiple of the vit_pico patch size (16 px); use e.g. 32" in last_line(r)
 
 
 def test_more_neighbours_than_train_images_is_refused(tmp_path):
-    r = run("eval_knn.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "16",
-            "--synthetic_image_size", "32", "--resize", "32", "--crop", "32", "--num_workers", "0", "--device", "cpu",
-            "--nb_knn", "10", "200")
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = run_here("eval_knn.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images",
+                 "16", "--synthetic_image_size", "32", "--resize", "32", "--crop", "32", "--num_workers", "0", "--device",
+                 "cpu", "--nb_knn", "10", "200")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--nb_knn 200 is more than the 16 train images" in last_line(r)
 
 
@@ -486,16 +549,17 @@ def eval_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("script", ["eval_knn.py", "eval_linear.py"])
 def test_eval_unreadable_image_is_one_line(eval_folder, tmp_path, script):
+    """A real process with a loader worker: the worker's error reaches stderr as one line, status 1."""
     extra = ["--nb_knn", "5"] if script == "eval_knn.py" else ["--epochs", "1", "--output_dir", str(tmp_path)]
     r = run(script, *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "1", *extra)
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     line = last_line(r)
     assert line.startswith("error: cannot read image") and "truncated.jpg" in line and "--skip_bad_images" in line
 
 
 def test_eval_knn_drops_unreadable_images_with_their_labels(eval_folder):
-    r = run("eval_knn.py", *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "0", "--nb_knn", "5",
-            "--skip_bad_images")
+    r = run_here("eval_knn.py", *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "0", "--nb_knn", "5",
+                 "--skip_bad_images")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "skipped 1 unreadable images" in r.stdout and "truncated.jpg" in r.stderr
     assert "k-NN over 17 train and 17 test images" in r.stdout     # not 18: no neighbour stands in for it
@@ -504,15 +568,15 @@ def test_eval_knn_drops_unreadable_images_with_their_labels(eval_folder):
 def test_eval_linear_drops_unreadable_images_and_refuses_a_probe_of_other_weights(eval_folder, tmp_path):
     args = [*EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "0", "--skip_bad_images",
             "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path)]
-    r = run("eval_linear.py", *args, "--epochs", "1")
+    r = run_here("eval_linear.py", *args, "--epochs", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads((tmp_path / "log.txt").read_text().splitlines()[-1])
     assert (record["val_images"], record["val_skipped_images"]) == (17, 1)
     # the same folder, other weights (another random initialisation): the old probe is not reported
-    r = run("eval_linear.py", *args, "--epochs", "2", "--seed", "1")
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = run_here("eval_linear.py", *args, "--epochs", "2", "--seed", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "holds a linear probe trained on other weights" in last_line(r)
-    r = run("eval_linear.py", *args, "--epochs", "2")           # the same weights: resumed
+    r = run_here("eval_linear.py", *args, "--epochs", "2")           # the same weights: resumed
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout
 
