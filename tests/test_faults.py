@@ -1,8 +1,10 @@
 """Faults that a careful user or a cluster causes, and what they must never lead to: a silently
 wrong result (labels numbered per split, a resumed run on other data, a symlink loop multiplying
 the images), an overwritten run (two runs in one --output_dir, eval_linear.py in a training
-folder), or a traceback instead of one line naming the problem. Runs are real subprocesses on
-tiny data (CPU) where the behaviour is the script's; helpers are called in process otherwise."""
+folder), or a traceback instead of one line naming the problem. Runs on tiny data (CPU) are real
+subprocesses where the behaviour is the process's (torchrun, Ctrl-C, the one-line error on stderr
+with exit status 1); elsewhere the script's own entry point runs in this process (`run_here`, no
+interpreter start-up); helpers are called in process."""
 import errno
 import json
 import os
@@ -23,7 +25,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from test_reliability import STOP_AT_CHECK  # noqa: E402
+from test_reliability import run_here, stop_at_check  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "48", "--synthetic_image_size", "32",
@@ -85,7 +87,7 @@ def test_knn_on_a_val_split_with_fewer_classes_is_right(tmp_path):
     image_folder(tmp_path / "train", ["a", "b"])
     (tmp_path / "val").mkdir()
     shutil.copytree(tmp_path / "train" / "b", tmp_path / "val" / "b")
-    r = run("eval_knn.py", *EVAL, "--dataset", "folder", "--data_path", str(tmp_path), "--nb_knn", "1")
+    r = run_here("eval_knn.py", *EVAL, "--dataset", "folder", "--data_path", str(tmp_path), "--nb_knn", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "1-NN classifier result: top-1 100.00%" in r.stdout
 
@@ -122,7 +124,7 @@ def test_a_folder_in_use_by_a_live_run_is_refused_and_left_untouched(tmp_path):
     out = tmp_path / "out"
     holder = hold_lock(out)
     try:
-        r = run("dino.py", *TINY, "--output_dir", str(out))
+        r = run_here("dino.py", *TINY, "--output_dir", str(out))
         one_line_error(r, f"--output_dir {out} is in use by another run (pid {holder.pid} on host {socket.gethostname()};")
         assert sorted(p.name for p in out.iterdir()) == [common.LOCK_FILE]            # nothing written, lock kept
     finally:
@@ -134,7 +136,7 @@ def test_a_stale_lock_is_removed_and_said_so_and_the_lock_is_released_at_exit(tm
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     out = tmp_path / "out"
     write_lock(out, pid=int(dead.stdout))
-    r = run("dino.py", *TINY, "--output_dir", str(out))
+    r = run_here("dino.py", *TINY, "--output_dir", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"removed the stale lock {out / common.LOCK_FILE} of pid {int(dead.stdout)}" in r.stdout
     assert not (out / common.LOCK_FILE).exists() and (out / "checkpoint.pth").exists()
@@ -142,7 +144,7 @@ def test_a_stale_lock_is_removed_and_said_so_and_the_lock_is_released_at_exit(tm
 
 def test_an_error_after_the_claim_releases_the_lock_and_removes_the_new_folder(tmp_path):
     out = tmp_path / "new"
-    r = run("dino.py", *TINY, "--global_crops_scale", "0.9", "0.1", "--output_dir", str(out))
+    r = run_here("dino.py", *TINY, "--global_crops_scale", "0.9", "0.1", "--output_dir", str(out))
     one_line_error(r, "--global_crops_scale 0.9 0.1 is reversed")
     assert not out.exists()                          # created for the run, empty, removed
 
@@ -228,7 +230,7 @@ def test_unusable_output_dir_is_one_line(tmp_path, monkeypatch, case):
 
 def test_output_dir_that_is_a_file_stops_a_training_run_in_one_line(tmp_path):
     (tmp_path / "taken").write_text("a file")
-    one_line_error(run("dino.py", *TINY, "--output_dir", str(tmp_path / "taken")), "is a file, not a folder")
+    one_line_error(run_here("dino.py", *TINY, "--output_dir", str(tmp_path / "taken")), "is a file, not a folder")
     assert (tmp_path / "taken").read_text() == "a file"
 
 
@@ -241,7 +243,7 @@ def test_eval_linear_refuses_a_training_folder_and_writes_nothing_on_failure(tmp
     (training / "checkpoint.pth").write_bytes(b"weights")
     (training / "args.json").write_text('{"local_crops_number": 8}')
     data = ["--dataset", "synthetic", "--synthetic_images", "16", "--synthetic_image_size", "32"]
-    r = run("eval_linear.py", *EVAL, *data, "--output_dir", str(training))
+    r = run_here("eval_linear.py", *EVAL, *data, "--output_dir", str(training))
     one_line_error(r, f"--output_dir {training} holds a training run (checkpoint.pth)")
     (training / "checkpoint.pth").unlink()
     import eval_linear
@@ -249,7 +251,8 @@ def test_eval_linear_refuses_a_training_folder_and_writes_nothing_on_failure(tmp
         eval_linear.check_own_folder(eval_linear.get_args_parser().parse_args(["--output_dir", str(training)]))
     assert (training / "args.json").read_text() == '{"local_crops_number": 8}' and not (training / "log.txt").exists()
     fresh = tmp_path / "probe"
-    r = run("eval_linear.py", "--pretrained_weights", str(tmp_path / "missing.pth"), *data, "--output_dir", str(fresh))
+    r = run_here("eval_linear.py", "--pretrained_weights", str(tmp_path / "missing.pth"), *data, "--output_dir",
+                 str(fresh))
     one_line_error(r, "is not a file")
     assert not fresh.exists()
 
@@ -270,17 +273,19 @@ def test_eval_linear_num_labels_must_match_the_classes(num_labels, classes, ok):
 # ------------------------------------------------------------------------------------------------
 # 4. Resuming on another dataset
 # ------------------------------------------------------------------------------------------------
-def test_resume_on_another_dataset_is_refused_or_restarts_its_epoch(tmp_path):
+def test_resume_on_another_dataset_is_refused_or_restarts_its_epoch(tmp_path, monkeypatch):
     big, small = image_folder(tmp_path / "big", ["a", "b"], per_class=16), image_folder(tmp_path / "small", ["a", "b"])
     out = tmp_path / "out"
     args = [*TINY, "--dataset", "folder", "--max_steps_per_epoch", "0", "--output_dir", str(out)]
-    first = run("-c", STOP_AT_CHECK.replace("N_CHECK", "2"), "dino.py", *args, "--data_path", str(big))     # stops after step 2 of 4
+    with monkeypatch.context() as patch:
+        stop_at_check(patch, 2)                                  # stops after step 2 of 4, as a preempted run
+        first = run_here("dino.py", *args, "--data_path", str(big))
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = torch.load(out / "checkpoint.pth", weights_only=True)
     assert (ckpt["epoch"], ckpt["step"], ckpt["dataset"]["images"]) == (0, 2, 32)
-    one_line_error(run("dino.py", *args, "--data_path", str(small)),
+    one_line_error(run_here("dino.py", *args, "--data_path", str(small)),
                    "was trained on another dataset (32 images, now 8)")
-    r = run("dino.py", *args, "--data_path", str(small), "--allow_changed_args")
+    r = run_here("dino.py", *args, "--data_path", str(small), "--allow_changed_args")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming on another dataset (32 images, now 8; --allow_changed_args): epoch 0 starts again" in r.stdout
     record = json.loads((out / "log.txt").read_text().splitlines()[-1])
@@ -343,18 +348,20 @@ def test_eval_crop_larger_than_resize_is_refused():
 
 def test_dump_features_naming_a_file_is_refused_before_extracting(tmp_path):
     (tmp_path / "feats").write_text("a file")
-    r = run("eval_knn.py", *EVAL, "--dataset", "synthetic", "--synthetic_images", "16", "--synthetic_image_size", "32",
-            "--dump_features", str(tmp_path / "feats"))
+    r = run_here("eval_knn.py", *EVAL, "--dataset", "synthetic", "--synthetic_images", "16", "--synthetic_image_size",
+                 "32", "--dump_features", str(tmp_path / "feats"))
     one_line_error(r, f"--dump_features {tmp_path / 'feats'} is a file, not a folder")
     assert "data:" not in r.stdout                                 # refused before any image was read
 
 
 def test_save_pictures_naming_a_file_is_one_line(tmp_path):
+    """A real process: extras/eval_correspondence.py's one-line error on stderr, exit status 1."""
     (tmp_path / "pics").write_text("a file")
     r = run("extras/eval_correspondence.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic",
             "--synthetic_image_size", "32", "--crop_size", "32", "--device", "cpu", "--num_workers", "0",
             "--save_pictures", str(tmp_path / "pics"))
     one_line_error(r, f"--save_pictures {tmp_path / 'pics'} is a file, not a folder")
+    assert r.returncode == 1
 
 
 def test_ctrl_c_names_the_last_checkpoint_without_a_traceback(tmp_path):
@@ -376,9 +383,8 @@ def test_ctrl_c_names_the_last_checkpoint_without_a_traceback(tmp_path):
 
 
 def test_nonfinite_loss_error_is_the_last_line(tmp_path):
-    r = subprocess.run([sys.executable, "dino.py", *TINY, "--max_steps_per_epoch", "2", "--lr", "1e30", "--clip_grad",
-                        "0", "--warmup_epochs", "0", "--optimizer", "sgd", "--output_dir", str(tmp_path)],
-                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=ENV)
-    assert r.returncode != 0
+    r = run_here("dino.py", *TINY, "--max_steps_per_epoch", "2", "--lr", "1e30", "--clip_grad", "0", "--warmup_epochs",
+                 "0", "--optimizer", "sgd", "--output_dir", str(tmp_path), merge=True)     # as 2>&1: bars and lines
+    assert r.returncode == 1
     lines = [line for line in r.stdout.replace("\r", "\n").splitlines() if line.strip()]
     assert lines[-2].startswith("error: the loss is") and lines[-1].startswith("Likely causes:"), lines[-3:]
