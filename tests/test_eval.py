@@ -9,8 +9,6 @@ tests/data/eval_knn_reference.pt holds inputs and outputs of the DINO authors' k
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,12 +22,12 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import eval_linear  # noqa: E402
+from test_reliability import finish, one_thread, run_here, start  # noqa: E402
 
 sys.path.append(str(ROOT / "extras"))
 import teacher_outputs  # noqa: E402
 
 KNN_REFERENCE = torch.load(ROOT / "tests/data/eval_knn_reference.pt", weights_only=True)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 DATA = ["--dataset", "synthetic", "--synthetic_images", "70", "--synthetic_image_size", "32",
         "--resize", "32", "--crop", "32", "--batch_size_per_gpu", "8", "--num_workers", "0"]
 
@@ -123,13 +121,12 @@ def test_argparse_defaults_match_authors():
 # ================================================================================================
 @pytest.fixture(scope="module")
 def dino_run(tmp_path_factory):
-    """A tiny DINO run written by dino.py itself: checkpoint.pth and teacher_backbone.pth."""
+    """A tiny DINO run written by dino.py itself (in this process): checkpoint.pth and teacher_backbone.pth."""
     out = tmp_path_factory.mktemp("dino")
-    cmd = [sys.executable, "dino.py", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "64",
-           "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16",
-           "--local_crops_number", "2", "--out_dim", "64", "--batch_size_per_gpu", "8", "--epochs", "1",
-           "--warmup_epochs", "0", "--max_steps_per_epoch", "2", "--num_workers", "0", "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    proc = run_here("dino.py", "--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "64",
+                    "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16",
+                    "--local_crops_number", "2", "--out_dim", "64", "--batch_size_per_gpu", "8", "--epochs", "1",
+                    "--warmup_epochs", "0", "--max_steps_per_epoch", "2", "--num_workers", "0", "--output_dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -386,16 +383,17 @@ def test_extracted_features_are_the_probe_features_of_the_eval_crops():
 def test_eval_knn_end_to_end(dino_run, tmp_path):
     """Two processes (torchrun, gloo on CPU) through a subprocess give the features, in dataset
     order, of one process; --load_features reproduces the results without a model."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "eval_knn.py",
-           "--pretrained_weights", str(dino_run / "checkpoint.pth"), "--nb_knn", "5", "20",
-           "--dump_features", str(tmp_path / "two"), *DATA]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    proc = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "eval_knn.py",
+                 "--pretrained_weights", str(dino_run / "checkpoint.pth"), "--nb_knn", "5", "20",
+                 "--dump_features", str(tmp_path / "two"), *DATA)
+    args = eval_knn.get_args_parser().parse_args(["--pretrained_weights", str(dino_run / "checkpoint.pth"),
+                                                  "--nb_knn", "5", "20", "--dump_features", str(tmp_path / "one"), *DATA])
+    with one_thread():
+        results = eval_knn.main(args)        # one process, while the two run
+    proc = finish(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "20-NN classifier result: top-1" in proc.stdout
 
-    args = eval_knn.get_args_parser().parse_args(["--pretrained_weights", str(dino_run / "checkpoint.pth"),
-                                                  "--nb_knn", "5", "20", "--dump_features", str(tmp_path / "one"), *DATA])
-    results = eval_knn.main(args)
     for name in eval_knn.FEATURE_FILES:
         one, two = (torch.load(tmp_path / d / name, weights_only=True) for d in ("one", "two"))
         assert one.shape[0] == (70 if name.startswith("train") else 17)
@@ -415,8 +413,7 @@ def test_eval_linear_end_to_end_and_resume(dino_run, tmp_path):
     out = tmp_path / "linear"
     common_args = ["--pretrained_weights", str(dino_run / "teacher_backbone.pth"), "--arch", "vit_pico",
                    "--n_last_blocks", "2", "--max_steps_per_epoch", "2", "--output_dir", str(out), *DATA]
-    proc = subprocess.run([sys.executable, "eval_linear.py", "--epochs", "1", *common_args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    proc = run_here("eval_linear.py", "--epochs", "1", *common_args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "linear probe on 128-dimensional features" in proc.stdout
     first = torch.load(out / "linear_checkpoint.pth", weights_only=True)
@@ -435,25 +432,27 @@ def test_eval_linear_end_to_end_and_resume(dino_run, tmp_path):
 
 
 def test_eval_linear_on_precomputed_features(dino_run, tmp_path):
-    out = tmp_path / "cached"
-
-    def flags(precomputed, epochs):
+    def flags(precomputed, epochs, out):
         return ["--pretrained_weights", str(dino_run / "teacher_backbone.pth"), "--arch", "vit_pico", "--n_last_blocks",
                 "1", "--precomputed_features", precomputed, "--epochs", str(epochs), "--val_freq", "3",
                 "--output_dir", str(out), *DATA]
-    best = eval_linear.main(eval_linear.get_args_parser().parse_args(flags("true", 3)))
+    # two processes (torchrun, gloo): each extracts its share of the features, every process gets all 70;
+    # started first, checked last: one process runs in this one meanwhile
+    proc = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "eval_linear.py",
+                 *flags("true", 2, tmp_path / "cached_two"))
+    out = tmp_path / "cached"
+    with one_thread():
+        best = eval_linear.main(eval_linear.get_args_parser().parse_args(flags("true", 3, out)))
     records = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0, 1, 2] and best == records[-1]["best_top1"]
     assert all(r["train_loss"] > 0 and r["skipped_images"] == 0 for r in records)
     # a probe trained on precomputed features is not resumed on augmented crops
     with pytest.raises(SystemExit, match="--precomputed_features true"):
-        eval_linear.main(eval_linear.get_args_parser().parse_args(flags("false", 4)))
-    # two processes (torchrun, gloo): each extracts its share of the features, every process gets all 70
-    out = tmp_path / "cached_two"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "eval_linear.py", *flags("true", 2)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+        eval_linear.main(eval_linear.get_args_parser().parse_args(flags("false", 4, out)))
+    proc = finish(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "precomputed 70 train features" in proc.stdout
+    out = tmp_path / "cached_two"
     assert [json.loads(line)["epoch"] for line in (out / "log.txt").read_text().splitlines()] == [0, 1]
 
 

@@ -47,6 +47,17 @@ def run(script, *args, driver=None, timeout=300):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch computes on one thread inside, as a subprocess with OMP_NUM_THREADS=1 does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_here(script, *args, merge=False):
     """What `run(script, *args)` gives, computed in this process: the script's own entry point
     (`common.run_script(main, parser, argv)`) with one thread, as under OMP_NUM_THREADS=1. Returns a
@@ -59,11 +70,9 @@ def run_here(script, *args, merge=False):
     module = importlib.import_module(Path(script).stem)
     out = io.StringIO()
     err = out if merge else io.StringIO()
-    threads = torch.get_num_threads()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    torch.set_num_threads(1)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with one_thread(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 common.run_script(module.main, module.get_args_parser(), [str(a) for a in args])
                 code = 0
@@ -71,8 +80,11 @@ def run_here(script, *args, merge=False):
                 code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
                 if isinstance(e.code, str):
                     print(e.code, file=sys.stderr)
+    except BaseException:                  # the output so far goes with the traceback into the report
+        print(out.getvalue(), end="")
+        print("" if merge else err.getvalue(), end="", file=sys.stderr)
+        raise
     finally:
-        torch.set_num_threads(threads)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         common._preemption_signal = None
