@@ -1,10 +1,10 @@
 """DINO: the loss against a naive statement of Eq. 3 and the authors' numbers, the center, the
-training step's wiring (teacher inputs, frozen last layer), and a real run with resume."""
+training step's wiring (teacher inputs, frozen last layer), and a real run with resume (through
+dino.py's entry point in this process; tests/test_reliability.py runs it as a process)."""
 import json
 import math
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dino  # noqa: E402
+from test_reliability import run_here  # noqa: E402
 
 # Inputs and outputs of the authors' main_dino.DINOLoss (facebookresearch/dino @ 7c446df5).
 REFERENCE = torch.load(ROOT / "tests/data/dino_loss_reference.pt", weights_only=True)
@@ -169,10 +170,8 @@ def test_teacher_sees_global_crops_only_and_last_layer_frozen_in_epoch0(tmp_path
     assert not torch.equal(before["head.last_layer.weight_v"], student.state_dict()["head.last_layer.weight_v"])
 
 
-def run_dino(*extra, cwd=ROOT):
-    cmd = [sys.executable, "dino.py", *TINY, *extra]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_dino(*extra):
+    return run_here("dino.py", *TINY, *extra)
 
 
 def test_teacher_temperature_warms_up_within_one_epoch(tmp_path):
@@ -229,7 +228,9 @@ def test_nonfinite_loss_stops_with_advice(tmp_path):
 
 
 def test_help_is_grouped():
-    out = subprocess.run([sys.executable, "dino.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    result = run_dino("--help")
+    assert result.returncode == 0
+    out = result.stdout
     for group in ("backbone:", "DINO head and loss:", "optimisation:", "multi-crop augmentation:", "data:", "run:"):
         assert group in out
     assert "0.9995" in out   # the paper's advice for small batches
