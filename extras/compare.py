@@ -13,15 +13,20 @@ Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are it
 with the Swin backbone: the pooled tokens through DINO's head), EsViT, GLSD geometric, GLSD similarity.
 Every row trains with SHARED + its backbone's flags + its method's own flags (METHOD_FLAGS) and
 nothing else; tests/test_results_presets.py checks that every shared argument parses to the same
-value in every script. Each backbone also has a row at random initialisation (the DINO row's
-checkpoint of the same seed evaluated with --random_init --seed), and raw pixels have a k-NN row.
+value in every script. A gain is over the row's own network at random initialisation, same seed,
+same read-out: the random-init rows (RANDOM_ROWS) evaluate, with --random_init --seed, the network
+of their source row's training command at its first step (provenance.starting_checkpoint); DINO's
+rows stand for every row of their backbone whose network is the same (EsViT, GLSD), SelfPatch's
+CLS-free ViT read through its aggregation module has its own. The tables refuse to pair networks
+whose state dicts (keys, shapes) or image tokens differ. Raw pixels have a k-NN row.
 
 Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
 each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
 cosine, constant teacher temperature 0.04, K = 1024 for every head. A checkpoint every --curve_every
 steps is kept for the learning curve.
 
-Columns, per row and seed (one JSON line each in --log, with every command that produced it):
+Columns, per row and seed (one JSON line each in --log, with every command that produced it, the
+figures' lines of their raw output, UTC time, commit and machine: provenance.stamp):
   knn_top1        eval_knn.py, 20-NN, T = 0.07, 32 px; bank: the train split (val: the other 50000)
   linear_top1     eval_linear.py, LINEAR flags (100 epochs on features extracted once, no augmentation)
   correspondence  extras/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images: `esvit`
@@ -52,12 +57,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-import results  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
+import provenance  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
+import results  # noqa: E402
+import compare_tables  # noqa: E402
+from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS, baseline_row, comparison_table,  # noqa: E402,F401
+                            costs_table, differences_table, log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
-# the summary block of the comparison is also in the README's "Results at a glance" and in RESULTS.md
-SUMMARY_FILES = (ROOT / "README.md", ROOT / "docs" / "RESULTS.md")
+# the blocks of the comparison outside COMPARISON.md: the README's "Results at a glance", RESULTS.md
+SUMMARY_FILES = {ROOT / "README.md": ("summary", "added"), ROOT / "docs" / "RESULTS.md": ("summary",)}
+LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
 
 STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch 128
@@ -70,20 +80,7 @@ SHARED = ("--global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
           "--batch_size_per_gpu 128 --lr 0.004 --min_lr 1e-6 --weight_decay 0.04 --weight_decay_end 0.04 "
           "--clip_grad 3.0 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
           "--warmup_teacher_temp 0.04 --teacher_temp 0.04 --warmup_teacher_temp_epochs 0 --batched_crops true --num_workers 0")
-BACKBONES = {"vit": "--arch vit_pico --patch_size 4", "swin": "--arch swin_pico3 --fit_window true"}
-# row: (backbone, script, the method's own flags)
-METHOD_FLAGS = {
-    "vit_dino": ("vit", "dino.py", ""),
-    "vit_selfpatch": ("vit", "selfpatch.py", "--patch_out_dim 1024"),     # K_p = K
-    "vit_esvit": ("vit", "esvit.py", "--use_region_loss true"),
-    "vit_glsd": ("vit", "glsd.py", "--local_matching geometric"),
-    "swin_dino": ("swin", "dino.py", ""),
-    "swin_esvit": ("swin", "esvit.py", "--use_region_loss true"),
-    "swin_glsd_geometric": ("swin", "glsd.py", "--local_matching geometric"),
-    "swin_glsd_similarity": ("swin", "glsd.py", "--local_matching similarity"),
-}
-RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino"}   # evaluated on this row's checkpoint
-ROWS = [*METHOD_FLAGS, *RANDOM_ROWS, "pixels"]
+# BACKBONES, METHOD_FLAGS (row: backbone, script, the method's own flags), RANDOM_ROWS, ROWS: compare_tables.py
 # the arguments that belong to a method (allowed to differ from its backbone's DINO row)
 OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops", "patch_loss_weight",
                              "patch_teacher_temp"},
@@ -100,6 +97,8 @@ EVAL = "--resize 32 --crop 32 --num_workers 1"
 # a pass of the backbone each). The lr was chosen on the val phase (docs/COMPARISON.md, "Columns").
 LINEAR = "--precomputed_features true --epochs 100 --val_freq 100 --lr 1.0 --batch_size_per_gpu 256"
 CORRESPONDENCE_IMAGES = 500
+# the lines of an evaluation's output that hold a logged figure (kept in the JSON line as raw_output)
+RAW_FIGURES = r"NN classifier result|top-10 accuracy|per-image entropy|K = \d+ \(ln K"
 
 
 def training_flags(row, steps, curve_every):
@@ -124,19 +123,7 @@ def data_flags(data, phase, data_dir):
     return flags.format(data_dir=data_dir).split() + (["--holdout", str(holdout)] if phase == "val" else [])
 
 
-def write_fashion_mnist_8k(data_dir):
-    """Fashion-MNIST's 10000 test images as an ImageFolder: the first 8000 in train/, the last 2000 in
-    val/, one PNG each under its class name. Kept if it is already complete."""
-    root = Path(data_dir) / "fashion_mnist_8k"
-    if root.is_dir() and len(list(root.glob("*/*/*.png"))) == 10000:
-        return root
-    test = common.FashionMNIST(train=False)
-    for i in range(len(test)):
-        image, label = test[i]
-        folder = root / ("train" if i < 8000 else "val") / re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
-        folder.mkdir(parents=True, exist_ok=True)
-        image.convert("L").save(folder / f"{i:05d}.png")
-    return root
+write_fashion_mnist_8k = results.write_fashion_mnist_8k
 
 
 def children_cpu_seconds():
@@ -151,7 +138,7 @@ class Evaluator:
 
     def __init__(self, data, out, seed):
         self.data, self.out, self.seed, self.commands = data, Path(out), seed, []
-        self.wall_seconds, self.cpu_seconds = {}, {}
+        self.wall_seconds, self.cpu_seconds, self.raw_output = {}, {}, {}
 
     def call(self, args, log_name):
         kind = log_name.split(".")[0].split("_")[0]
@@ -160,6 +147,9 @@ class Evaluator:
         output = results.run([sys.executable, *args], self.out / log_name)
         for total, value in ((self.wall_seconds, time.time() - start), (self.cpu_seconds, children_cpu_seconds() - cpu)):
             total[kind] = round(total.get(kind, 0.0) + value, 1)
+        figures = [line for line in output.splitlines() if re.search(RAW_FIGURES, line)]
+        if figures:
+            self.raw_output[log_name.removesuffix(".txt")] = figures
         return output
 
     def knn(self, weights, random_init=False, name="knn"):
@@ -174,7 +164,9 @@ class Evaluator:
                    "--pretrained_weights", str(weights), *baseline, "--output_dir", str(out)], "linear.txt")
         # the last epoch's top-1, not eval_linear's best over the validated epochs (it also validates
         # epoch 0): nothing is chosen on the evaluation split
-        return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()][-1]["val_top1"]
+        last = (out / "log.txt").read_text().splitlines()[-1]
+        self.raw_output["linear"] = [last]
+        return json.loads(last)["val_top1"]
 
     def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"), name="correspondence"):
         baseline = ["--random_init"] if random_init else []
@@ -189,20 +181,34 @@ class Evaluator:
 
 
 def row_paths(row, args, seed):
-    """A row's output folder and the checkpoint it is evaluated on (a random-init row: its DINO row's)."""
-    work = Path(args.work_dir) / args.data
-    out = work / f"{row}_{args.variant}_{args.phase}_seed{seed}"
-    trained = work / f"{RANDOM_ROWS.get(row, row)}_{args.variant}_{args.phase}_seed{seed}"
-    return out, trained / "checkpoint.pth"
+    """A row's output folder and the checkpoint it is evaluated on (a random-init row: the network of
+    its source row at the first step, start.pth in its own folder)."""
+    out = Path(args.work_dir) / args.data / f"{row}_{args.variant}_{args.phase}_seed{seed}"
+    return out, out / ("start.pth" if row in RANDOM_ROWS else "checkpoint.pth")
+
+
+def train_command(row, args, seed):
+    """`python SCRIPT FLAGS` of a method row's training (a random-init row: its source row's)."""
+    row = RANDOM_ROWS.get(row, row)
+    out = row_paths(row, args, seed)[0]
+    return ["python", METHOD_FLAGS[row][1], *training_flags(row, args.steps, args.curve_every),
+            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(), "--seed", str(seed),
+            "--output_dir", str(out)]
+
+
+def finished(record, evaluate, started):
+    return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
+            "cpu_seconds": evaluate.cpu_seconds, "raw_output": evaluate.raw_output, **provenance.stamp(started)}
 
 
 def run_row(row, args, seed):
     """Train (unless a random-init or pixel row) and evaluate one row for one seed: its JSON record."""
+    started = provenance.start()
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
               "steps": args.steps}
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
-        return {**record, "knn_top1": pixels_knn(data)}
+        return {**record, "knn_top1": pixels_knn(data), **provenance.stamp(started)}
     out, weights = row_paths(row, args, seed)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "checkpoint.pth").exists() or (out / "linear").exists():
@@ -211,19 +217,16 @@ def run_row(row, args, seed):
     record["backbone"] = METHOD_FLAGS[RANDOM_ROWS.get(row, row)][0]
     if row in RANDOM_ROWS:
         record["random_init"] = True
-        if not weights.is_file():
-            sys.exit(f"error: {row} is evaluated on {RANDOM_ROWS[row]}'s checkpoint of seed {seed}, which is "
-                     f"missing ({weights}): run that row first")
+        source = " ".join(train_command(row, args, seed))
+        record.update(start_of=source, network=provenance.starting_checkpoint(source, weights))
         record.update(knn_top1=evaluate.knn(weights, random_init=True),
                       correspondence=evaluate.correspondence(weights, random_init=True))
         if not args.skip_linear:
             record["linear_top1"] = evaluate.linear(weights, random_init=True)
-        return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
-                "cpu_seconds": evaluate.cpu_seconds}
-    _, script, _ = METHOD_FLAGS[row]
-    train = [script, *training_flags(row, args.steps, args.curve_every), *data, *args.extra.split(),
-             "--seed", str(seed), "--output_dir", str(out)]
+        return finished(record, evaluate, started)
+    train = train_command(row, args, seed)[1:]
     evaluate.call(train, "train.txt")
+    record["network"] = provenance.checkpoint_signature(weights)
     record["train_seconds"] = evaluate.wall_seconds["train"]
     record["precision"] = json.loads((out / "args.json").read_text())["precision"]   # what --precision auto chose
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
@@ -243,8 +246,7 @@ def run_row(row, args, seed):
                                     "overlap_accuracy": evaluate.correspondence(
                                         kept, protocols=("overlap",), name=f"curve_correspondence_{epoch:04d}")
                                     ["overlap"]["accuracy"]})
-    return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
-            "cpu_seconds": evaluate.cpu_seconds}
+    return finished(record, evaluate, started)
 
 
 @contextlib.contextmanager
@@ -255,11 +257,6 @@ def locked(log):
         yield
 
 
-def log_key(record):
-    """What names a row's line in the log: (data, row, variant, phase, seed)."""
-    return tuple(record.get(k) for k in ("data", "row", "variant", "phase", "seed"))
-
-
 def add_linear(row, args, seed):
     """The linear probe of a logged row run with --skip_linear, on its kept checkpoint: written into
     its log line, with the command and its cost."""
@@ -268,10 +265,13 @@ def add_linear(row, args, seed):
     if len(logged) != 1 or "linear_top1" in logged[0]:
         return None      # not logged (or twice), or already probed
     out, weights = row_paths(row, args, seed)
+    if row in RANDOM_ROWS and not weights.is_file():
+        provenance.starting_checkpoint(logged[0].get("start_of") or " ".join(train_command(row, args, seed)), weights)
     if not weights.is_file():
         sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it cannot be probed")
     if (out / "linear").exists():
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
+    started = provenance.start()
     evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
     top1 = evaluate.linear(weights, random_init=row in RANDOM_ROWS)
     with locked(args.log):
@@ -281,8 +281,9 @@ def add_linear(row, args, seed):
             if log_key(r) == key:
                 r["linear_top1"] = top1
                 r["commands"] = r.get("commands", []) + evaluate.commands
-                for kind in ("wall_seconds", "cpu_seconds"):
+                for kind in ("wall_seconds", "cpu_seconds", "raw_output"):
                     r[kind] = {**r.get(kind, {}), **getattr(evaluate, kind)}
+                r["linear_provenance"] = provenance.stamp(started)
                 lines[i] = json.dumps(r)
         Path(args.log).write_text("\n".join(lines) + "\n")
     return top1
@@ -298,122 +299,18 @@ def pixels_knn(data):
 
 
 # ------------------------------------------------------------------------------------------------
-# docs/COMPARISON.md: generated blocks
+# docs/COMPARISON.md, README.md, docs/RESULTS.md: generated blocks (compare_tables.py)
 # ------------------------------------------------------------------------------------------------
-cell = results.cell
-
-
-def comparison_table(records, data, phase):
-    """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
-    the variants and ROWS' order within one; the gain is the 20-NN top-1 minus that of the random-init
-    row of the same backbone and seed (any variant: the initialisation depends on the seed only),
-    seed by seed."""
-    lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | gain over random init | linear top-1 (%) | "
-             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln K | "
-             "train time (min) | peak memory (MB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    chosen = [r for r in records if r["data"] == data and r["phase"] == phase]
-    random_init = {}
-    for r in chosen:
-        if r.get("random_init"):
-            random_init.setdefault((r["backbone"], r["seed"]), r["knn_top1"])
-    groups = {}
-    for r in chosen:
-        groups.setdefault(r["variant"], {}).setdefault(r["row"], []).append(r)
-    for variant, by_row in groups.items():
-        for row in ROWS:
-            rs = by_row.get(row)
-            if not rs:
-                continue
-            if row == "pixels":
-                lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} | — | — | — | — | — | — | — | — |")
-                continue
-            steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
-            gains = [r["knn_top1"] - random_init[(r["backbone"], r["seed"])] for r in rs
-                     if (r["backbone"], r["seed"]) in random_init]
-            gain = cell(gains) if row not in RANDOM_ROWS and len(gains) == len(rs) else "—"
-            corr = [r["correspondence"] for r in rs]
-            flip = f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / {cell([c['esvit']['accuracy'] for c in corr])}"
-            overlap = cell([c["overlap"]["accuracy"] for c in corr])
-            entropy = [cell([r[k] / r["ln_k"] for r in rs], 2) if all(k in r for r in rs) else "—"
-                       for k in ("teacher_entropy", "mean_target_entropy")]
-            minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
-            memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
-            lines.append(f"| {row} | {variant} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | {gain} | "
-                         f"{cell([r.get('linear_top1') for r in rs])} | {flip} | {overlap} | {entropy[0]} | {entropy[1]} | "
-                         f"{minutes} | {memory} |")
-    if len(lines) == 2:
-        return f"No {phase}-phase run of the comparison on {data} is logged yet."
-    return "\n".join(lines)
-
-
-# column: {backbone: its row}; a backbone without the method shows n/a
-SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"}, "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
-                   "SelfPatch": {"vit": "vit_selfpatch"}, "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
-                   "GLSD similarity": {"swin": "swin_glsd_similarity"}}
-
-
-def summary_table(records, data="fashion_mnist", phase="test", variant="recipe"):
-    """The README's glance at the comparison: per backbone, the random-init 20-NN and each method's
-    20-NN with its gain over random init, mean ± half-range over the seeds logged for both."""
-    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant) and "backbone" in r]
-    random_init = {(r["backbone"], r["seed"]): r["knn_top1"] for r in chosen if r.get("random_init")}
-    lines = ["| backbone | random init | " + " | ".join(SUMMARY_COLUMNS) + " |",
-             "|---|---|" + "---|" * len(SUMMARY_COLUMNS)]
-    for backbone, flags in BACKBONES.items():
-        seeds = sorted(seed for b, seed in random_init if b == backbone)
-        if not seeds:
-            continue
-        cells = [f"{cell([random_init[(backbone, seed)] for seed in seeds])}"]
-        for rows in SUMMARY_COLUMNS.values():
-            if backbone not in rows:
-                cells.append("n/a")
-                continue
-            rs = [r for r in chosen if r["row"] == rows[backbone] and r["seed"] in seeds]
-            gains = [r["knn_top1"] - random_init[(backbone, r["seed"])] for r in rs]
-            gain = cell(gains)
-            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({'' if gain.startswith('-') else '+'}{gain})"
-                         if rs else "—")
-        lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
-    if len(lines) == 2:
-        return f"No {phase}-phase run of the comparison on {data} is logged yet."
-    return "\n".join(lines)
-
-
 def reproducing_commands(records):
-    """One `python extras/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
-    groups = {}
-    for r in records:
-        skip_linear = r["row"] != "pixels" and "linear_top1" not in r
-        key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
-        rows, seeds, trained_seeds, curve_seeds, curve_every = groups.setdefault(key, ([], set(), set(), set(), set()))
-        if r["row"] not in rows:
-            rows.append(r["row"])
-        seeds.add(r["seed"])
-        if r["row"] in METHOD_FLAGS:
-            trained_seeds.add(r["seed"])
-        if r.get("curve"):                    # the seeds with a learning curve and its spacing
-            curve_seeds.add(r["seed"])
-            curve_every.add(r["curve"][0]["step"])
     defaults = get_args_parser().parse_args([])
-    lines = []
-    for (data, phase, variant, steps, extra, skip_linear), (rows, seeds, trained_seeds, curve_seeds,
-                                                            curve_every) in groups.items():
-        line = (f"python extras/compare.py --data {data} --phase {phase} --steps {steps} "
-                f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
-        if curve_every and curve_every != {defaults.curve_every}:
-            line += f" --curve_every {min(curve_every)}"
-        if curve_seeds != trained_seeds & set(defaults.curve_seeds):
-            line += " --curve_seeds" + "".join(f" {seed}" for seed in sorted(curve_seeds))
-        if skip_linear:
-            line += " --skip_linear"
-        lines.append(line + results.variant_flags(variant, extra))
-    return lines
+    return compare_tables.reproducing_commands(records, defaults.curve_every, defaults.curve_seeds)
 
 
 def generated_blocks(records):
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
-    blocks["summary"] = summary_table(records)
+    blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
+                  added=compare_tables.added_table(records))
     commands = reproducing_commands(records)
     blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
     return blocks
@@ -455,7 +352,7 @@ def main():
     rows = args.rows if args.rows is not None else [] if args.table else ROWS
     if args.data == "fashion_mnist_8k" and rows:
         write_fashion_mnist_8k(args.data_dir)
-    logged = results.read_log(args.log) if Path(args.log).exists() else []
+    logged = provenance.read_log(args.log, LOG_KEYS) if rows and Path(args.log).exists() else []
     if args.add_linear:
         if not Path(args.log).is_file():
             sys.exit(f"error: --add_linear probes the rows logged in --log {args.log}, which does not exist")
@@ -478,12 +375,12 @@ def main():
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")
                   + (f", {record['train_seconds'] / 60:.1f} min training" if "train_seconds" in record else ""),
                   flush=True)
-    if args.table:
-        records = results.read_log(args.log) if Path(args.log).exists() else []
-        for path, blocks in [(COMPARISON_MD, generated_blocks(records)),
-                             *((path, {"summary": summary_table(records)}) for path in SUMMARY_FILES)]:
-            text = path.read_text()
-            refreshed = results.refresh(text, blocks, tag=TAG)
+    if args.table:      # every block is made before any file is written
+        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
+        documents = [(COMPARISON_MD, blocks), *((path, {n: blocks[n] for n in names}) for path, names in SUMMARY_FILES.items())]
+        texts = [path.read_text() for path, _ in documents]
+        refreshed = [results.refresh(text, chosen, tag=TAG) for text, (_, chosen) in zip(texts, documents)]
+        for (path, _), text, refreshed in zip(documents, texts, refreshed):
             path.write_text(refreshed)
             print(f"{path.relative_to(ROOT)}: {'refreshed' if refreshed != text else 'already up to date'}")
 

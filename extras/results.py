@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
+import provenance  # noqa: E402
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 
@@ -141,6 +142,22 @@ def pixels_knn_top1(bank, queries):
                                    num_classes=len(bank.classes))[0]
 
 
+def write_fashion_mnist_8k(data_dir):
+    """Fashion-MNIST's 10000 test images as an ImageFolder (extras/compare.py's `fashion_mnist_8k`):
+    the first 8000 in train/, the last 2000 in val/, one PNG each under its class name. Kept if it
+    is already complete."""
+    root = Path(data_dir) / "fashion_mnist_8k"
+    if root.is_dir() and len(list(root.glob("*/*/*.png"))) == 10000:
+        return root
+    test = common.FashionMNIST(train=False)
+    for i in range(len(test)):
+        image, label = test[i]
+        folder = root / ("train" if i < 8000 else "val") / re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
+        folder.mkdir(parents=True, exist_ok=True)
+        image.convert("L").save(folder / f"{i:05d}.png")
+    return root
+
+
 def pixels_top1(phase):
     """The raw-pixel 20-NN of Fashion-MNIST: val, the last HOLDOUT train images against the others;
     test, the test split against the train split."""
@@ -149,6 +166,13 @@ def pixels_top1(phase):
 
 
 def train_and_evaluate(name, variant, extra, phase, seed, work_dir):
+    """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine)."""
+    started = provenance.start()
+    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir)
+    return {**record, **provenance.stamp(started)}
+
+
+def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
     record = {"run": name, "variant": variant, "phase": phase, "seed": seed}
     if name == "pixels":  # deterministic: the seed changes nothing
         return {**record, "top1": pixels_top1(phase), "train_seconds": 0.0}
@@ -166,14 +190,18 @@ def train_and_evaluate(name, variant, extra, phase, seed, work_dir):
     record["train_command"] = " ".join(["python", *train[1:]])
     if script == "drloc.py":   # supervised: its own top-1 on the evaluation split after the last epoch
         record["top1"] = epochs[-1]["val_acc1"]
+        record["raw_output"] = {"log": (out / "log.txt").read_text().splitlines()[-1]}
         return record
     evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20", "--num_workers", "1",
                   "--resize", "32", "--crop", "32", "--pretrained_weights", str(out / "checkpoint.pth"), *split]
-    record["top1"] = knn_top1(run(evaluation, out / "eval.txt"))
+    outputs = {"eval": run(evaluation, out / "eval.txt")}
+    record["top1"] = knn_top1(outputs["eval"])
     record["eval_command"] = " ".join(["python", *evaluation[1:]])
     baseline = [*evaluation, "--random_init", "--seed", str(seed)]
-    record["random_init_top1"] = knn_top1(run(baseline, out / "eval_random.txt"))
+    outputs["random_init"] = run(baseline, out / "eval_random.txt")
+    record["random_init_top1"] = knn_top1(outputs["random_init"])
     record["random_init_command"] = " ".join(["python", *baseline[1:]])
+    record["raw_output"] = {k: [line for line in v.splitlines() if "NN classifier result" in line] for k, v in outputs.items()}
     return record
 
 
@@ -351,8 +379,9 @@ def main():
                   f"{record.get('random_init_top1', float('nan')):.2f}%), {record['train_seconds'] / 60:.1f} min",
                   flush=True)
     if args.table:
+        blocks = generated_blocks(provenance.read_log(args.log, ("run", "phase", "seed")))
         markdown = RESULTS_MD.read_text()
-        refreshed = refresh(markdown, generated_blocks(read_log(args.log)))
+        refreshed = refresh(markdown, blocks)
         RESULTS_MD.write_text(refreshed)
         print(f"{RESULTS_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
 

@@ -43,7 +43,9 @@ from torchvision.utils import draw_segmentation_masks, make_grid
 # Run as `python extras/visualize.py` from anywhere: the project's modules sit one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import compare_tables  # noqa: E402
 import eval_knn  # noqa: E402
+import provenance  # noqa: E402
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
@@ -284,9 +286,8 @@ def curves_picture(series, title, panel=(420, 300), margin=(56, 30, 20, 40)):
 
 
 def read_json_lines(path):
-    if not Path(path).is_file():
-        common.die(f"--log {path} is not a file")
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """extras/compare.py's log; one line and exit 1 for anything else (a training log.txt, a binary file)."""
+    return provenance.read_log(path, ("data", "row", "variant", "phase", "seed"))
 
 
 # ================================================================================================

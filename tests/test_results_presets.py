@@ -144,6 +144,10 @@ def test_comparison_parses_the_evaluation_scripts_output():
     assert collapse == pytest.approx({"teacher_entropy": 6.10, "mean_target_entropy": 6.80, "ln_k": 6.931471805599453})
 
 
+NETWORK = {"arch": "vit_pico", "image_token": "backbone", "keys_sha256": "0123456789abcdef", "tensors": 54,
+           "parameters": 207424}
+
+
 def fake_comparison_records():
     def corr(flip, overlap):
         return {"esvit": {"top10_accuracy": flip, "accuracy": flip / 2}, "overlap": {"accuracy": overlap}}
@@ -153,9 +157,10 @@ def fake_comparison_records():
         records.append({**base, "row": "vit_dino", "backbone": "vit", "knn_top1": 60.0 + shift, "linear_top1": 70.0,
                         "correspondence": corr(10.0 + shift, 20.0), "teacher_entropy": 3.0 + shift, "ln_k": 6.0,
                         "mean_target_entropy": 6.0, "train_seconds": 600.0 + 60 * shift, "peak_memory_mb": 900 + seed,
+                        "network": NETWORK,
                         "curve": [{"step": 200, "knn_top1": 55.0 + shift, "overlap_accuracy": 15.0}]})
         records.append({**base, "row": "vit_random", "backbone": "vit", "random_init": True, "knn_top1": 50.0,
-                        "linear_top1": 40.0 + shift, "correspondence": corr(2.0, 10.0)})
+                        "linear_top1": 40.0 + shift, "correspondence": corr(2.0, 10.0), "network": NETWORK})
     records.append({"data": "fashion_mnist", "phase": "test", "variant": "recipe", "seed": 0, "steps": 400,
                     "row": "pixels", "knn_top1": 84.59})
     records.append({k: v for k, v in records[0].items() if k != "linear_top1"} | {"phase": "val", "knn_top1": 1.0})
@@ -166,10 +171,11 @@ def test_comparison_table_is_generated_from_the_log():
     records = fake_comparison_records()
     lines = compare.comparison_table(records, "fashion_mnist", "test").splitlines()
     assert lines[2:] == [
-        "| vit_dino | recipe | 400 | 2 | 61.0 ± 1.0 | 11.0 ± 1.0 | 70.0 ± 0.0 | 11.0 ± 1.0 / 5.5 ± 0.5 | 20.0 ± 0.0 "
-        "| 0.67 ± 0.17 | 1.00 ± 0.00 | 11.0 ± 1.0 | 901 |",
-        "| vit_random | recipe | — | 2 | 50.0 ± 0.0 | — | 41.0 ± 1.0 | 2.0 ± 0.0 / 1.0 ± 0.0 | 10.0 ± 0.0 | — | — | — | — |",
-        "| raw pixels | — | — | — | 84.6 | — | — | — | — | — | — | — | — |"]
+        "| vit_dino | recipe | 400 | 2 | 61.0 ± 1.0 | +11.0 ± 1.0 | 70.0 ± 0.0 | +29.0 ± 1.0 | 11.0 ± 1.0 / 5.5 ± 0.5 "
+        "| 20.0 ± 0.0 | 0.67 ± 0.17 | 1.00 ± 0.00 | 11.0 ± 1.0 | 901 | no timestamp |",
+        "| vit_random | recipe | — | 2 | 50.0 ± 0.0 | — | 41.0 ± 1.0 | — | 2.0 ± 0.0 / 1.0 ± 0.0 | 10.0 ± 0.0 | — | — "
+        "| — | — | no timestamp |",
+        "| raw pixels | — | — | — | 84.6 | — | — | — | — | — | — | — | — | — | no timestamp |"]
     assert compare.comparison_table(records, "fashion_mnist", "val").splitlines()[2].startswith(
         "| vit_dino | recipe | 400 | 1 | 1.0 ± 0.0 | — | — |")   # no random-init row in this phase; no linear probe
     assert compare.comparison_table(records, "shapes", "test") == "No test-phase run of the comparison on shapes is logged yet."
@@ -189,8 +195,9 @@ def test_comparison_table_is_generated_from_the_log():
 
 
 def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch):
-    """--add_linear probes a logged row's kept checkpoint (a random-init row: its DINO row's) and
-    rewrites that line only; a row already probed, or not logged, is left alone."""
+    """--add_linear probes a logged row's kept checkpoint (a random-init row: its source row's network
+    at the first step, written to its own folder) and rewrites that line only; a row already probed,
+    or not logged, is left alone."""
     log, work = tmp_path / "log.jsonl", tmp_path / "work"
     records = [r for r in fake_comparison_records() if r["phase"] == "test"]
     for r in records:
@@ -214,12 +221,14 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
     assert [compare.add_linear(row, args, seed) for row in ("vit_dino", "vit_random", "swin_dino") for seed in (0, 1)] \
         == [None, 34.0, 35.0, 36.0, None, None]
     assert probed == [("vit_dino_recipe_test_seed1", "vit_dino_recipe_test_seed1", False),
-                      ("vit_dino_recipe_test_seed0", "vit_random_recipe_test_seed0", True),
-                      ("vit_dino_recipe_test_seed1", "vit_random_recipe_test_seed1", True)]
+                      ("vit_random_recipe_test_seed0", "vit_random_recipe_test_seed0", True),
+                      ("vit_random_recipe_test_seed1", "vit_random_recipe_test_seed1", True)]
+    assert (work / "fashion_mnist" / "vit_random_recipe_test_seed0" / "start.pth").is_file()
     after = results.read_log(log)
     assert [r.get("linear_top1") for r in after] == [70.0, 35.0, 34.0, 36.0, None]
     assert after[1]["commands"] == ["python train", "python eval_linear.py"]
     assert after[1]["cpu_seconds"] == {"train": 2.0, "linear": 3.0}
+    assert set(after[1]["linear_provenance"]) >= {"utc", "commit", "machine"}
     assert after[4] == records[4]                                 # the pixel row is untouched
 
 
@@ -239,7 +248,8 @@ def test_summaries_are_what_table_generates_from_the_log(path):
     records = results.read_log(log) if log.exists() else []
     text = path.read_text()
     assert "<!-- compare.py:summary -->" in text
-    assert results.refresh(text, {"summary": compare.summary_table(records)}, tag="compare.py") == text, \
+    blocks = compare.generated_blocks(records)
+    assert results.refresh(text, {n: blocks[n] for n in compare.SUMMARY_FILES[path]}, tag="compare.py") == text, \
         f"{path.name}'s comparison summary is stale: run python extras/compare.py --table"
 
 

@@ -1,0 +1,267 @@
+"""The rows of extras/compare.py's controlled comparison and the generated blocks of
+docs/COMPARISON.md, README.md and docs/RESULTS.md that are made from its log (not a script).
+
+Every figure in a block is a logged value or is computed here from logged, unrounded values: a gain
+is a row's value minus that of its own network at random initialisation (same seed, same read-out,
+`baseline_row`), a difference between methods is the difference of their gains seed by seed; both
+are rounded only when written. A pairing of two different networks (state-dict keys and shapes, or
+image token: provenance.network_signature) is refused with one line. Lines logged before stamps
+existed are marked "no timestamp".
+"""
+import json
+import statistics
+import sys
+
+import provenance
+import results
+
+BACKBONES = {"vit": "--arch vit_pico --patch_size 4", "swin": "--arch swin_pico3 --fit_window true"}
+# row: (backbone, script, the method's own flags)
+METHOD_FLAGS = {
+    "vit_dino": ("vit", "dino.py", ""),
+    "vit_selfpatch": ("vit", "selfpatch.py", "--patch_out_dim 1024"),     # K_p = K
+    "vit_esvit": ("vit", "esvit.py", "--use_region_loss true"),
+    "vit_glsd": ("vit", "glsd.py", "--local_matching geometric"),
+    "swin_dino": ("swin", "dino.py", ""),
+    "swin_esvit": ("swin", "esvit.py", "--use_region_loss true"),
+    "swin_glsd_geometric": ("swin", "glsd.py", "--local_matching geometric"),
+    "swin_glsd_similarity": ("swin", "glsd.py", "--local_matching similarity"),
+}
+# random-init row: the row whose network (at its first step) it evaluates
+RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino", "vit_selfpatch_random": "vit_selfpatch"}
+ROWS = [*METHOD_FLAGS, *RANDOM_ROWS, "pixels"]
+# column: {backbone: its row}; a backbone without the method shows n/a
+SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"}, "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
+                   "SelfPatch": {"vit": "vit_selfpatch"}, "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
+                   "GLSD similarity": {"swin": "swin_glsd_similarity"}}
+cell = results.cell
+
+
+def baseline_row(row):
+    """The random-init row of a method row's network: its own, or its backbone's DINO row's."""
+    return next((r for r, source in RANDOM_ROWS.items() if source == row), f"{METHOD_FLAGS[row][0]}_random")
+
+
+def log_key(record):
+    """What names a row's line in the log: (data, row, variant, phase, seed)."""
+    return tuple(record.get(k) for k in ("data", "row", "variant", "phase", "seed"))
+
+
+def network_of(record, records):
+    """The network a logged row evaluated: its logged signature, else (lines logged before
+    signatures) that of its training command, built; a random-init row's is its source row's."""
+    if "network" in record:
+        return record["network"]
+    if record.get("random_init"):
+        key = (record["data"], RANDOM_ROWS[record["row"]], record["variant"], record["phase"], record["seed"])
+        source = next((r for r in records if log_key(r) == key), None)
+        if source is None:
+            sys.exit(f"error: {record['row']} seed {record['seed']} logs no network and its source row "
+                     f"{key[1]} is not logged: which network it evaluated is unknown")
+        return network_of(source, records)
+    return json.loads(provenance.command_signature(record["commands"][0]))
+
+
+def baselines(records, data, phase):
+    """{(random-init row, seed): its first record} of one comparison, any variant (the
+    initialisation depends on the network and the seed only)."""
+    found = {}
+    for r in records:
+        if r.get("random_init") and (r["data"], r["phase"]) == (data, phase):
+            found.setdefault((r["row"], r["seed"]), r)
+    return found
+
+
+def gains(rs, base, records, key="knn_top1"):
+    """rs[i][key] minus that of its own network's random init, seed by seed; None unless every
+    record has one. Exits with one line if a pair would be two different networks."""
+    out = []
+    for r in rs:
+        b = base.get((baseline_row(r["row"]), r["seed"]))
+        if b is None or r.get(key) is None or b.get(key) is None:
+            return None
+        mine, theirs = network_of(r, records), network_of(b, records)
+        if mine != theirs:
+            sys.exit(f"error: {r['row']} ({r['variant']}, seed {r['seed']}) cannot be paired with {b['row']}: another "
+                     f"network ({mine['arch']} {mine['image_token']} {mine['keys_sha256']} vs {theirs['arch']} "
+                     f"{theirs['image_token']} {theirs['keys_sha256']}); log its own random-init row")
+        out.append(r[key] - b[key])
+    return out
+
+
+def signed(values, digits=1):
+    text = cell(values, digits) if values else "—"
+    return text if text == "—" or text.startswith("-") else f"+{text}"
+
+
+def logged_dates(rs):
+    return " / ".join(sorted({r["utc"][:10] if r.get("utc") else "no timestamp" for r in rs}))
+
+
+def comparison_table(records, data, phase):
+    """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
+    the variants and ROWS' order within one."""
+    lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | linear top-1 (%) | linear gain | "
+             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln K | "
+             "train time (min) | peak memory (MB) | logged (UTC) |", "|---" * 15 + "|"]
+    chosen = [r for r in records if r["data"] == data and r["phase"] == phase]
+    base = baselines(records, data, phase)
+    groups = {}
+    for r in chosen:
+        groups.setdefault(r["variant"], {}).setdefault(r["row"], []).append(r)
+    for variant, by_row in groups.items():
+        for row in ROWS:
+            rs = by_row.get(row)
+            if not rs:
+                continue
+            if row == "pixels":
+                lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |" + " — |" * 9 + f" {logged_dates(rs)} |")
+                continue
+            steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
+            knn_gain, linear_gain = ((None, None) if row in RANDOM_ROWS else
+                                     (gains(rs, base, records), gains(rs, base, records, "linear_top1")))
+            corr = [r["correspondence"] for r in rs]
+            flip = f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / {cell([c['esvit']['accuracy'] for c in corr])}"
+            overlap = cell([c["overlap"]["accuracy"] for c in corr])
+            entropy = [cell([r[k] / r["ln_k"] for r in rs], 2) if all(k in r for r in rs) else "—"
+                       for k in ("teacher_entropy", "mean_target_entropy")]
+            minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
+            memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
+            lines.append(f"| {row} | {variant} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
+                         f"{signed(knn_gain)} | {cell([r.get('linear_top1') for r in rs])} | {signed(linear_gain)} | "
+                         f"{flip} | {overlap} | {entropy[0]} | {entropy[1]} | {minutes} | {memory} | {logged_dates(rs)} |")
+    if len(lines) == 2:
+        return f"No {phase}-phase run of the comparison on {data} is logged yet."
+    return "\n".join(lines)
+
+
+def summary_table(records, data="fashion_mnist", phase="test", variant="recipe"):
+    """The README's glance at the comparison: per backbone, the random-init 20-NN of DINO's network
+    and each method's 20-NN with its gain over its own network at random init (a row whose network
+    is not DINO's names its own random init), mean ± half-range over the seeds logged for both."""
+    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant) and "backbone" in r]
+    base = baselines(records, data, phase)
+    lines = ["| backbone | random init | " + " | ".join(SUMMARY_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(SUMMARY_COLUMNS)]
+    for backbone, flags in BACKBONES.items():
+        seeds = sorted(seed for row, seed in base if row == f"{backbone}_random")
+        if not seeds:
+            continue
+        cells = [cell([base[(f"{backbone}_random", seed)]["knn_top1"] for seed in seeds])]
+        for rows in SUMMARY_COLUMNS.values():
+            if backbone not in rows:
+                cells.append("n/a")
+                continue
+            rs = [r for r in chosen if r["row"] == rows[backbone]]
+            gain = gains(rs, base, records) if rs else None
+            own = baseline_row(rows[backbone])
+            note = (f" over its own random init {cell([base[(own, r['seed'])]['knn_top1'] for r in rs])}"
+                    if gain and own != f"{backbone}_random" else "")
+            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({signed(gain)}{note})" if gain else "—")
+        lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
+    if len(lines) == 2:
+        return f"No {phase}-phase run of the comparison on {data} is logged yet."
+    return "\n".join(lines)
+
+
+def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
+    """{row: (seeds, {key: (its gains, its gains minus the DINO row's)})} of the method rows of one
+    comparison, seed by seed (each gain over its own network's random init), key: knn_top1 and
+    linear_top1; None where a value is missing."""
+    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant)
+              and r["row"] in METHOD_FLAGS]
+    base, found = baselines(records, data, phase), {}
+    for row, (backbone, _, _) in METHOD_FLAGS.items():
+        dino = {r["seed"]: r for r in chosen if r["row"] == f"{backbone}_dino"}
+        rs = [r for r in chosen if r["row"] == row and r["seed"] in dino]
+        if not rs or row.endswith("_dino"):
+            continue
+        found[row] = (len(rs), {})
+        for key in ("knn_top1", "linear_top1"):
+            mine, theirs = gains(rs, base, records, key), gains([dino[r["seed"]] for r in rs], base, records, key)
+            found[row][1][key] = (mine, [a - b for a, b in zip(mine, theirs)] if mine and theirs else None)
+    return found
+
+
+def differences_table(records):
+    """What a method adds over DINO on the same backbone, 20-NN and linear probe, seed by seed."""
+    lines = ["| backbone | row | seeds | 20-NN gain | minus DINO's (per seed) | linear gain | minus DINO's (per seed) |",
+             "|---|---|---|---|---|---|---|"]
+    for row, (seeds, by_key) in differences(records).items():
+        cells = []
+        for mine, diffs in by_key.values():
+            cells += [signed(mine), signed(diffs) + (f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else "")]
+        lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else "No test-phase method row on fashion_mnist is logged yet."
+
+
+def added_table(records):
+    """The README's glance at differences_table: per backbone and method, its 20-NN gain minus
+    DINO's / its linear-probe gain minus DINO's."""
+    found = differences(records)
+    columns = [c for c in SUMMARY_COLUMNS if c != "DINO"]
+    lines = ["| over DINO: 20-NN / linear | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for backbone, flags in BACKBONES.items():
+        cells = [" / ".join(signed(found[rows[backbone]][1][k][1]) for k in ("knn_top1", "linear_top1"))
+                 if backbone in rows and rows[backbone] in found else "n/a" if backbone not in rows else "—"
+                 for rows in (SUMMARY_COLUMNS[c] for c in columns)]
+        lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def costs_table(records, data="fashion_mnist", phase="test"):
+    """CPU seconds of every command of a row (cpu_seconds), mean over its seeds: training per step
+    (start-up included), each evaluation, each learning-curve point."""
+    lines = ["| row | variant | seeds | training, per step | 20-NN | linear probe | correspondence + collapse | "
+             "each learning-curve point | logged (UTC) |", "|---" * 9 + "|"]
+    groups = {}
+    for r in records:
+        if (r["data"], r["phase"]) == (data, phase) and "cpu_seconds" in r:
+            groups.setdefault((r["row"], r["variant"]), []).append(r)
+
+    def mean(rs, value):
+        values = [value(r) for r in rs]
+        return None if None in values else statistics.mean(values)
+
+    for (row, variant), rs in groups.items():
+        cpu = [r["cpu_seconds"] for r in rs]
+        columns = [mean(rs, lambda r: r["cpu_seconds"]["train"] / r["steps"] if "train" in r["cpu_seconds"] else None),
+                   mean(rs, lambda r: r["cpu_seconds"].get("knn")), mean(rs, lambda r: r["cpu_seconds"].get("linear")),
+                   mean(rs, lambda r: r["cpu_seconds"].get("correspondence", 0) + r["cpu_seconds"].get("teacher", 0)),
+                   mean([r for r in rs if r.get("curve")],
+                        lambda r: r["cpu_seconds"]["curve"] / len(r["curve"]) if "curve" in r["cpu_seconds"] else None)
+                   if any(r.get("curve") for r in rs) else None]
+        text = [f"{columns[0]:.2f} s" if columns[0] is not None else "—",
+                *(f"{c:.0f} s" if c is not None else "—" for c in columns[1:])]
+        lines.append(f"| `{row}` | {variant} | {len(cpu)} | " + " | ".join(text) + f" | {logged_dates(rs)} |")
+    return "\n".join(lines) if len(lines) > 2 else f"No {phase}-phase row on {data} logs its CPU seconds yet."
+
+
+def reproducing_commands(records, curve_every_default, curve_seeds_default):
+    """One `python extras/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
+    groups = {}
+    for r in records:
+        skip_linear = r["row"] != "pixels" and "linear_top1" not in r
+        key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
+        rows, seeds, trained_seeds, curve_seeds, curve_every = groups.setdefault(key, ([], set(), set(), set(), set()))
+        if r["row"] not in rows:
+            rows.append(r["row"])
+        seeds.add(r["seed"])
+        if r["row"] in METHOD_FLAGS:
+            trained_seeds.add(r["seed"])
+        if r.get("curve"):                    # the seeds with a learning curve and its spacing
+            curve_seeds.add(r["seed"])
+            curve_every.add(r["curve"][0]["step"])
+    lines = []
+    for (data, phase, variant, steps, extra, skip_linear), (rows, seeds, trained_seeds, curve_seeds,
+                                                            curve_every) in groups.items():
+        line = (f"python extras/compare.py --data {data} --phase {phase} --steps {steps} "
+                f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
+        if curve_every and curve_every != {curve_every_default}:
+            line += f" --curve_every {min(curve_every)}"
+        if curve_seeds != trained_seeds & set(curve_seeds_default):
+            line += " --curve_seeds" + "".join(f" {seed}" for seed in sorted(curve_seeds))
+        if skip_linear:
+            line += " --skip_linear"
+        lines.append(line + results.variant_flags(variant, extra))
+    return lines

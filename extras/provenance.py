@@ -1,0 +1,184 @@
+"""Where a logged number comes from, and which network it measured (used by extras/compare.py,
+extras/results.py and extras/quickstart.py; not a script).
+
+- `stamp(started)`: what every new JSON line of a log records beside its numbers: the UTC times,
+  the commit (and the tracked files that differed from it), and the machine (CPU model, cores,
+  threads per process, load average at the start and at the end).
+- `network_signature(ckpt)`: the network an evaluation reads from a checkpoint, as eval_knn.py
+  rebuilds it: its image token (the backbone's, or SelfPatch's class-attention module "ca_head")
+  and a digest of its state dict's keys and shapes. Two rows may be paired (a gain over random
+  initialisation) only if their signatures are equal.
+- `starting_checkpoint(...)`: a training command's network at its first step (the method's own
+  `build_model` after `--seed`), written as a checkpoint that eval_knn.py reads.
+- `read_log(path)`: a log's records, or one line and a non-zero exit when the log is missing, not
+  a file, empty, or not JSON lines (a generator must not write tables from nothing).
+"""
+import datetime
+import functools
+import hashlib
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+import eval_knn  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# Command, time, commit, machine
+# ------------------------------------------------------------------------------------------------
+def utc_now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git(*args):
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def load_average():
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def start():
+    """What `stamp` needs from the start of a logged piece of work."""
+    return {"started_utc": utc_now(), "load_average_start": load_average()}
+
+
+def stamp(started):
+    """The provenance of a JSON line written now, for work begun at `started` (`start()`)."""
+    import torch
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {**{"started_utc": started["started_utc"]}, "utc": utc_now(), "commit": git("rev-parse", "HEAD"),
+            "uncommitted": changed,
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
+                        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),   # what results.run gives each command
+                        "load_average_start": started["load_average_start"], "load_average_end": load_average(),
+                        "torch": torch.__version__, "python": platform.python_version()}}
+
+
+def when(record):
+    """A record's UTC time, or a mark that its line has none (lines written before stamps existed)."""
+    return record.get("utc") or "no timestamp"
+
+
+# ------------------------------------------------------------------------------------------------
+# Which network an evaluation reads
+# ------------------------------------------------------------------------------------------------
+def network_signature(ckpt):
+    """{image_token, arch, tensors, parameters, keys_sha256} of the network eval_knn.py evaluates in
+    a checkpoint of this repository (its teacher, or DRLoc's model)."""
+    record = eval_knn.recorded_backbone(ckpt)
+    state = ckpt["teacher"] if "teacher" in ckpt else ckpt["model"]
+    if record.get("image_token") == "ca_head":     # eval_knn.PooledViT: the backbone and the aggregation module
+        state = {k: v for k, v in state.items() if k.startswith(("backbone.", "ca_head."))}
+    else:
+        state = eval_knn.backbone_state_dict(state)[0]
+    keys = sorted(f"{k}:{list(v.shape)}" for k, v in state.items())
+    return {"image_token": record.get("image_token", "backbone"), "arch": record["arch"], "tensors": len(keys),
+            "parameters": sum(v.numel() for v in state.values()),
+            "keys_sha256": hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]}
+
+
+def checkpoint_signature(path):
+    return network_signature(common.load_checkpoint(path))
+
+
+def parse_training_command(command):
+    """(method module, parsed args) of a logged `python SCRIPT.py FLAGS` training command."""
+    words = command.split()
+    script = Path(words[1]).stem
+    module = importlib.import_module(script)        # a method file, read by the extras only
+    return module, module.get_args_parser().parse_args(words[2:])
+
+
+def initial_checkpoint(command, seed=None):
+    """The network of a training command at its first step, as a checkpoint dict (the method's own
+    build_model after common.fix_random_seeds(--seed), as its main() builds the student)."""
+    module, args = parse_training_command(command)
+    common.fix_random_seeds(args.seed if seed is None else seed)
+    model = module.build_model(args, args.drop_path_rate)
+    image_token = eval_knn.recorded_backbone({"args": vars(args), "method": module.__name__}).get("image_token",
+                                                                                                  "backbone")
+    state = model.state_dict()
+    return {"teacher": state, "student": state, "args": vars(args), "method": module.__name__,
+            "backbone": common.backbone_record(model.backbone, image_token=image_token)}
+
+
+def command_signature(command):
+    """network_signature of what a logged training command trains (built, not trained), as JSON."""
+    words = command.split()
+    where = {"--seed", "--output_dir", "--holdout", "--dataset", "--data_path"}    # no bearing on the network
+    kept = [w for i, w in enumerate(words) if w not in where and (i == 0 or words[i - 1] not in where)]
+    return signature_of_flags(" ".join(kept))
+
+
+@functools.lru_cache(maxsize=None)
+def signature_of_flags(command):
+    import torch
+    with torch.device("meta"):           # shapes only: nothing is initialised
+        return json.dumps(network_signature(initial_checkpoint(command, seed=0)), sort_keys=True)
+
+
+def starting_checkpoint(command, path):
+    """Write `command`'s network at its first step to `path` (a checkpoint eval_knn.py reads); its
+    signature."""
+    import torch
+    ckpt = initial_checkpoint(command)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt, path)
+    return network_signature(ckpt)
+
+
+# ------------------------------------------------------------------------------------------------
+# Logs
+# ------------------------------------------------------------------------------------------------
+def read_log(path, required=(), what="--log"):
+    """The JSON records of a log; one line and exit 1 if it is missing, not a file, empty, not JSON
+    lines, or a line lacks a `required` key (another script's log, e.g. a training log.txt), so that
+    a mistyped path never becomes an empty or wrong table."""
+    path = Path(path)
+    if not path.exists():
+        sys.exit(f"error: {what} {path} does not exist: nothing is written")
+    if not path.is_file():
+        sys.exit(f"error: {what} {path} is not a file: nothing is written")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: {what} {path} cannot be read as text ({type(e).__name__}): nothing is written")
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            sys.exit(f"error: {what} {path} line {number} is not a JSON line: nothing is written")
+        if not isinstance(record, dict):
+            sys.exit(f"error: {what} {path} line {number} is not a JSON object: nothing is written")
+        missing = [k for k in required if k not in record]
+        if missing:
+            sys.exit(f"error: {what} {path} line {number} has no {', '.join(missing)}: not this script's log "
+                     f"(a training log.txt?); nothing is written")
+        records.append(record)
+    if not records:
+        sys.exit(f"error: {what} {path} holds no record: nothing is written")
+    return records

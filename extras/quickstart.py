@@ -1,0 +1,177 @@
+"""The README's quick start, run and logged: DINO on vit_pico (400 steps), then its teacher and the
+same network at random initialisation by 20-NN. One JSON line per run in --log
+(docs/data/quickstart.jsonl) with its commands, the figures' lines of their raw output, UTC time,
+commit and machine (extras/provenance.py); `--table` writes the generated blocks of README.md and
+docs/COMPARISON.md from the log. Not collected by pytest.
+
+    python extras/quickstart.py --data fashion_mnist                    # the README's command, test split
+    python extras/quickstart.py --data fashion_mnist_8k                 # the same 400 steps on 8000 images
+    python extras/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k   # that checkpoint, 8k's bank
+    python extras/quickstart.py --phase val --variant lr8 --extra "--lr 0.008" --steps 250   # a variant
+    python extras/quickstart.py --table
+
+The training command is the README's, with the data flags of --data (compare.py's datasets) and
+--holdout 10000 in the val phase; it resumes (a finished run is not trained again), so a second
+--eval_data evaluates the same checkpoint. Lines logged before stamps existed are marked "no
+timestamp"; of several lines with the same (data, trained on, phase, variant), the tables show the
+last one logged.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import compare  # noqa: E402
+import provenance  # noqa: E402
+import results  # noqa: E402
+
+TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
+         "--out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
+         "--batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 --weight_decay_end 0.04 --freeze_last_layer 0 "
+         "--momentum_teacher 0.99 --drop_path_rate 0 --epochs {epochs} --max_steps_per_epoch 50 "
+         "--warmup_epochs {warmup:g} --batched_crops true --num_workers 0")
+EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
+TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
+LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
+
+
+def knn_line(output):
+    line = next((l for l in output.splitlines() if "20-NN classifier result" in l), None)
+    if line is None:
+        sys.exit("error: no 20-NN result in eval_knn.py's output")
+    return line
+
+
+def run(args):
+    started = provenance.start()
+    data = compare.data_flags(args.data, args.phase, args.data_dir)
+    eval_data = compare.data_flags(args.eval_data or args.data, args.phase, args.data_dir)
+    name = f"{args.variant}_{args.data}_{args.phase}_{args.steps}"
+    out = Path(args.work_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    epochs = args.steps // 50
+    train = ["dino.py", *TRAIN.format(data=" ".join(data), epochs=epochs, warmup=epochs / 2).split(),
+             *args.extra.split(), "--output_dir", str(out)]
+    weights = ["--pretrained_weights", str(out / "checkpoint.pth")]
+    evaluation = ["eval_knn.py", *weights, *eval_data, *EVAL.split()]
+    baseline = ["eval_knn.py", *weights, "--random_init", *eval_data, *EVAL.split()]
+    start = time.time()
+    results.run([sys.executable, *train], out / "train.txt")
+    train_seconds = round(time.time() - start, 1)
+    raw = {}
+    for key, command in (("knn", evaluation), ("random_init", baseline)):
+        raw[key] = knn_line(results.run([sys.executable, *command], out / f"eval_{key}_{args.eval_data or args.data}.txt"))
+    epochs_log = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
+    top1 = {k: float(re.search(r"top-1 ([0-9.]+)%", v).group(1)) for k, v in raw.items()}
+    return {"data": args.eval_data or args.data, "trained_on": args.data, "phase": args.phase,
+            "variant": args.variant, "steps": args.steps, "extra": args.extra, "knn_top1": top1["knn"],
+            "random_init_knn_top1": top1["random_init"], "train_seconds": train_seconds,
+            "teacher_entropy_last_epoch": epochs_log[-1].get("teacher_entropy"),
+            "ln_k": math.log(json.loads((out / "args.json").read_text())["out_dim"]),
+            "precision": json.loads((out / "args.json").read_text()).get("precision"),
+            "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)], "raw_output": raw,
+            **provenance.stamp(started)}
+
+
+def latest(records):
+    """The last line logged per (data, trained on, phase, variant), in the order the log first holds them."""
+    chosen = {}
+    for r in records:
+        chosen[(r["data"], r.get("trained_on", r["data"]), r["phase"], r["variant"])] = r
+    return list(chosen.values())
+
+
+def gain(r):
+    return f"{r['knn_top1'] - r['random_init_knn_top1']:+.2f}"
+
+
+def variants_table(records):
+    lines = ["| variant | steps | flags added | 20-NN top-1 (%) | random init (%) | gain | h / ln K (last epoch) | "
+             "logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
+    for r in latest(records):
+        if r["phase"] == "val":
+            entropy = (f"{r['teacher_entropy_last_epoch'] / r['ln_k']:.2f}" if "ln_k" in r and
+                       r.get("teacher_entropy_last_epoch") is not None else "—")
+            lines.append(f"| {r['variant']} | {r['steps']} | `{r.get('extra') or '—'}` | {r['knn_top1']:.2f} | "
+                         f"{r['random_init_knn_top1']:.2f} | {gain(r)} | {entropy} | {provenance.when(r)} |")
+    return "\n".join(lines)
+
+
+def datasets_table(records):
+    """The test-phase lines, and under the table the lines that a later one superseded."""
+    lines = ["| data (k-NN bank and queries) | trained on | variant | 20-NN top-1 (%) | random init (%) | gain | "
+             "raw output logged | logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
+    shown = latest(records)
+    for r in shown:
+        if r["phase"] == "test":
+            lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | {r['knn_top1']:.2f} | "
+                         f"{r['random_init_knn_top1']:.2f} | {gain(r)} | {'yes' if 'raw_output' in r else 'no'} | "
+                         f"{provenance.when(r)} |")
+    for r in records:
+        if r["phase"] == "test" and not any(r is s for s in shown):
+            lines.append(f"\nSuperseded: {r['data']} trained on {r.get('trained_on', r['data'])}, {r['knn_top1']:.2f} "
+                         f"against {r['random_init_knn_top1']:.2f} ({provenance.when(r)}): {r.get('note', '')}")
+    return "\n".join(lines)
+
+
+def result_line(records):
+    r = next((r for r in reversed(records) if (r["data"], r.get("trained_on", r["data"]), r["phase"], r["variant"])
+              == ("fashion_mnist", "fashion_mnist", "test", "quickstart")), None)
+    if r is None:
+        return "No run of the quick start is logged yet."
+    machine = r.get("machine")         # lines logged before stamps: a description, no time
+    where = (f"{machine['cpu']}, {machine['threads']} thread(s), {r.get('precision')}, {r['utc']}"
+             if isinstance(machine, dict) else f"{machine or 'machine not logged'}; no timestamp")
+    return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random initialisation "
+            f"({gain(r)}), {r['train_seconds'] / 60:.1f} min of training ({where}).")
+
+
+def generated_blocks(records):
+    return {"result": result_line(records), "variants": variants_table(records), "datasets": datasets_table(records)}
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser("quickstart.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="fashion_mnist", choices=list(compare.DATA), help="the data trained on")
+    p.add_argument("--eval_data", default=None, choices=list(compare.DATA), help="the data of the k-NN (default --data)")
+    p.add_argument("--phase", default="test", choices=["val", "test"])
+    p.add_argument("--steps", default=400, type=int, help="training steps (a multiple of 50)")
+    p.add_argument("--variant", default="quickstart", help="name under which the run is logged")
+    p.add_argument("--extra", default="", help="training flags added to the README's")
+    p.add_argument("--work_dir", default="runs/quickstart_log", help="output directories of the runs")
+    p.add_argument("--data_dir", default="runs/data", help="where compare.py's built datasets are written")
+    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
+    p.add_argument("--table", action="store_true", help="run nothing: rewrite the generated blocks from --log")
+    return p
+
+
+def main():
+    args = get_args_parser().parse_args()
+    os.chdir(ROOT)
+    if args.steps <= 0 or args.steps % 50:
+        sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
+    if not args.table:
+        if "fashion_mnist_8k" in (args.data, args.eval_data):
+            compare.write_fashion_mnist_8k(args.data_dir)
+        record = run(args)
+        with compare.locked(args.log), open(args.log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"{record['data']} (trained on {record['trained_on']}) {args.variant}: 20-NN {record['knn_top1']:.2f}% "
+              f"against {record['random_init_knn_top1']:.2f}%", flush=True)
+    if args.table:
+        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
+        texts = {path: (ROOT / path).read_text() for path in TARGETS}
+        for path, names in TARGETS.items():
+            refreshed = results.refresh(texts[path], {n: blocks[n] for n in names}, tag="quickstart.py")
+            (ROOT / path).write_text(refreshed)
+            print(f"{path}: {'refreshed' if refreshed != texts[path] else 'already up to date'}")
+
+
+if __name__ == "__main__":
+    main()
