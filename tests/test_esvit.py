@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
+from test_reliability import one_thread, run_here  # noqa: E402
 
 # Inputs and outputs of the authors' main_esvit.DDINOLoss / DINOLoss (microsoft/esvit @ 2d6becd9),
 # copied from the reference file esvit_glsd.pt (see the file's "meta"/"source").
@@ -239,7 +240,8 @@ def test_model_outputs(arch, sizes, grids):
 
 
 # ------------------------------------------------------------------------------------------------
-# Real runs: a 2-step run and its resume (subprocess); view-only then continual pre-training (in process)
+# Real runs: a 2-step run (subprocess) and its resume (esvit.py's entry point in process); view-only
+# then continual pre-training (in process)
 # ------------------------------------------------------------------------------------------------
 TINY = ["--arch", "swin_pico", "--dataset", "synthetic", "--synthetic_images", "16", "--synthetic_image_size", "64",
         "--global_crop_size", "64", "--local_crop_size", "32", "--local_crops_number", "2", "--out_dim", "64",
@@ -268,7 +270,7 @@ def test_two_step_run_then_resume(tmp_path):
     common.load_state_dict_strict(common.build_backbone("swin_pico", img_size=64),   # timm key names, 64 px run
                                   torch.load(tmp_path / "teacher_backbone.pth", weights_only=True))
 
-    second = run_esvit("--epochs", "2", "--output_dir", str(tmp_path))
+    second = run_here("esvit.py", *TINY, "--epochs", "2", "--output_dir", str(tmp_path))
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stdout
     log = read_log(tmp_path)
@@ -280,9 +282,11 @@ def test_two_step_run_then_resume(tmp_path):
 
 @pytest.fixture
 def keep_signal_handlers():
-    """main() installs preemption handlers; put pytest's back afterwards."""
+    """main() installs preemption handlers; put pytest's back afterwards. One thread inside, as the
+    script's process would have under OMP_NUM_THREADS=1."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
+    with one_thread():
+        yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
 

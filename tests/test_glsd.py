@@ -18,6 +18,7 @@ import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
 import glsd  # noqa: E402
+from test_reliability import run_here  # noqa: E402
 
 # Inputs and outputs of the authors' GLSD DINOLoss / DDINOLoss (tileb1/global-local-self-distillation
 # @ 7de2526c; 'distance' = geometric), copied from the reference file esvit_glsd.pt (see "meta"/"source").
@@ -322,13 +323,14 @@ def run_glsd(*extra):
 
 
 def test_two_step_run_then_resume(tmp_path):
+    """The first run a real process, the resumed one glsd.py's entry point in this process."""
     first = run_glsd("--epochs", "1", "--output_dir", str(tmp_path))
     assert first.returncode == 0, first.stderr[-2000:]
     ckpt = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["method"] == "glsd" and ckpt["args"]["local_matching"] == "geometric"
     assert set(ckpt) >= {"student", "teacher", "optimizer", "scaler", "glsd_loss", "args", "rng"}
     assert ckpt["glsd_loss"]["center_grid"].abs().sum() > 0
-    second = run_glsd("--epochs", "2", "--output_dir", str(tmp_path))
+    second = run_here("glsd.py", *TINY, "--epochs", "2", "--output_dir", str(tmp_path))
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stdout
     log = [json.loads(line) for line in (tmp_path / "log.txt").read_text().splitlines()]
@@ -342,12 +344,10 @@ def test_two_step_run_then_resume(tmp_path):
                                                       (["--local_matching", "none"], ["--use_region_loss", "false"])])
 def test_similarity_and_vanilla_train_exactly_like_esvit(tmp_path, glsd_flags, esvit_flags):
     """Two steps with drop path from the same seed: glsd.py's Similarity setting trains bit-identically
-    to esvit.py, Vanilla to esvit.py without the region loss."""
+    to esvit.py, Vanilla to esvit.py without the region loss (both scripts' entry points in this process)."""
     flags = ["--epochs", "1", "--drop_path_rate", "0.1", "--seed", "3", "--saveckp_freq", "0"]
-    runs = {"glsd": run_glsd(*flags, *glsd_flags, "--output_dir", str(tmp_path / "glsd")),
-            "esvit": subprocess.run([sys.executable, "esvit.py", *TINY, *flags, *esvit_flags, "--output_dir",
-                                     str(tmp_path / "esvit")], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})}
+    runs = {"glsd": run_here("glsd.py", *TINY, *flags, *glsd_flags, "--output_dir", str(tmp_path / "glsd")),
+            "esvit": run_here("esvit.py", *TINY, *flags, *esvit_flags, "--output_dir", str(tmp_path / "esvit"))}
     ckpts = {}
     for name, proc in runs.items():
         assert proc.returncode == 0, proc.stderr[-2000:]

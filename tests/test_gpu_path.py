@@ -5,8 +5,6 @@ clipping, EMA, crop-pair selection, centre sums, the region einsum), each bit fo
 the straightforward formula it replaces. CUDA functions are replaced by fakes where a test needs
 a GPU that is not there."""
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ sys.path.insert(0, str(ROOT / "extras"))
 import common  # noqa: E402
 import esvit  # noqa: E402
 import head_precision  # noqa: E402
+from test_reliability import run_here  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -63,9 +62,8 @@ def test_fp32_run_resumed_in_fp16(tmp_path):
             "32", "--batch_size_per_gpu", "8", "--num_workers", "0", "--warmup_epochs", "0", "--device", "cpu",
             "--max_steps_per_epoch", "1", "--output_dir", str(tmp_path)]
 
-    def run(*extra):
-        return subprocess.run([sys.executable, "dino.py", *tiny, *extra], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    def run(*extra):      # dino.py's entry point, in this process
+        return run_here("dino.py", *tiny, *extra)
     first = run("--epochs", "1", "--precision", "fp32")
     assert first.returncode == 0, first.stderr[-2000:]
     second = run("--epochs", "2", "--precision", "fp16")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import selfpatch as sp  # noqa: E402
+from test_reliability import one_thread, run_here  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 
@@ -418,7 +419,7 @@ def smoke_argv(tmp_path, epochs):
             "--output_dir", str(tmp_path)]
 
 
-def test_training_runs_and_resumes(tmp_path, capsys):
+def test_training_runs_and_resumes(tmp_path):
     # a 2-step epoch through the command line, on 4x4 (global) and 3x3 (local) patch grids
     result = subprocess.run([sys.executable, str(ROOT / "selfpatch.py"), *smoke_argv(tmp_path, 1)], cwd=tmp_path,
                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
@@ -434,9 +435,10 @@ def test_training_runs_and_resumes(tmp_path, capsys):
         assert record[key] == record[key] and abs(record[key]) < 1e3    # finite
     assert record["loss"] == pytest.approx(record["cls_loss"] + 0.1 * record["patch_loss"], rel=1e-5)
 
-    # resume for a second epoch (in this process, to save the start-up time of another one)
-    sp.main(sp.get_args_parser().parse_args(smoke_argv(tmp_path, 2)))
-    assert "resumed from" in capsys.readouterr().out
+    # resume for a second epoch (selfpatch.py's entry point in this process, to save the start-up time of another one)
+    resumed = run_here("selfpatch.py", *smoke_argv(tmp_path, 2))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
     lines = (tmp_path / "log.txt").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 2
@@ -449,13 +451,14 @@ def test_training_runs_and_resumes(tmp_path, capsys):
             "--resize", "32", "--crop", "32", "--num_workers", "0"]
     args = teacher_outputs.get_args_parser().parse_args(
         ["--pretrained_weights", str(tmp_path / "checkpoint.pth"), "--max_images", "10", *data])
-    got = teacher_outputs.main(args)
+    with one_thread():
+        got = teacher_outputs.main(args)
     ckpt = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     model = sp.build_model(argparse.Namespace(**ckpt["args"]), 0.0)
     model.load_state_dict(ckpt["teacher"])
     dataset = common.build_dataset(args, train=False)
     images = torch.stack([common.eval_transform(32, 32)(dataset[i][0]) for i in range(10)])
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         image_logits, _ = model.eval()([images])
     expected = teacher_outputs.head_statistics(image_logits, ckpt["selfpatch_loss"]["center"], ckpt["args"]["teacher_temp"])
     assert got[:2] == pytest.approx(expected[:2], abs=1e-4) and got[2] == expected[2]
