@@ -2,9 +2,7 @@
 hand-made geometries, a backbone that reads its tokens' positions from the pixels (perfect scores)
 and a constant one (chance), both scripts end to end on `synthetic` (one process and two), and the
 per-epoch monitor on tiny backbones, SelfPatch's CLS-free ViT included."""
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +20,8 @@ import common  # noqa: E402
 import eval_correspondence as ec  # noqa: E402
 import glsd  # noqa: E402
 import visualize  # noqa: E402
+from test_reliability import finish, one_thread, start  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--random_init", "--arch", "vit_pico", "--patch_size", "8", "--dataset", "synthetic",
         "--synthetic_images", "96", "--synthetic_image_size", "32", "--crop_size", "32",
         "--batch_size_per_gpu", "8", "--num_workers", "0"]
@@ -152,12 +150,13 @@ def parse_results(stdout):
 
 def test_eval_correspondence_end_to_end(tmp_path):
     """Two processes (torchrun, gloo) score the same pairs as one, and write the pictures."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "extras/eval_correspondence.py", *TINY, "--save_pictures", str(tmp_path), "--num_pictures", "3"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    proc = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 "extras/eval_correspondence.py", *TINY, "--save_pictures", str(tmp_path), "--num_pictures", "3")
+    with one_thread():
+        one = ec.main(ec.get_args_parser().parse_args(TINY))      # one process, while the two run
+    proc = finish(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = parse_results(proc.stdout)
-    one = ec.main(ec.get_args_parser().parse_args(TINY))
     assert set(two) == set(one) == set(ec.PROTOCOLS)
     for protocol, m in one.items():
         expected = [m[k] for k in ("top10_accuracy", "top10_distance", "accuracy", "chance_accuracy", "distance",

@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import drloc  # noqa: E402
-from test_reliability import ENV, assert_same_state, assert_same_trajectory, load, make_folder, run  # noqa: E402
+from test_reliability import (ENV, assert_same_state, assert_same_trajectory, finish, load, make_folder, run,  # noqa: E402
+                              run_here, start)
 
 # Inputs and outputs of the authors' code, yhlleo/VTs-Drloc @ 6ac2c447 (drloc/aux_modules.py
 # DenseRelativeLoc, drloc/losses.py relative_constraint_l1/ce/cbr and cal_selfsupervised_loss,
@@ -384,6 +384,11 @@ def run_drloc(*extra, driver=None):
     return run("drloc.py", *TINY, *extra, driver=driver)
 
 
+def run_drloc_here(*extra):
+    """run_drloc through drloc.py's entry point in this process (no interpreter start-up)."""
+    return run_here("drloc.py", *TINY, *extra)
+
+
 def records(out):
     return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
 
@@ -465,7 +470,7 @@ def test_run_with_drloc_and_mid_epoch_resume_equal_to_uninterrupted(drloc_uninte
     assert "received SIGTERM: checkpoint written" in out and "run the same command again to resume" in out
     middle = load(tmp_path / "checkpoint.pth")
     assert (middle["epoch"], middle["step"]) == (1, 1)
-    second = run_drloc(*RUN, "--output_dir", str(tmp_path))
+    second = run_drloc_here(*RUN, "--output_dir", str(tmp_path))
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"resumed from {tmp_path / 'checkpoint.pth'} at epoch 1, step 1" in second.stdout
     assert [r["epoch"] for r in records(tmp_path)] == [0, 1]
@@ -513,7 +518,7 @@ def test_crash_while_writing_keeps_the_last_checkpoint_and_resume_at_epoch_bound
         torch.load(partial[0], weights_only=True)
     last = load(tmp_path / "checkpoint.pth")
     assert (last["epoch"], last["step"]) == (1, 0)
-    resumed = run_drloc(*RUN, "--output_dir", str(tmp_path))
+    resumed = run_drloc_here(*RUN, "--output_dir", str(tmp_path))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {tmp_path / 'checkpoint.pth'} at epoch 1, step 0" in resumed.stdout
     assert f"removed the stale lock {tmp_path / common.LOCK_FILE}" in resumed.stdout
@@ -549,11 +554,10 @@ def test_two_processes_equal_one_process(tmp_path):
     than one; making it process-invariant would need a mixup over the global batch, not timm's.
     Validation on 9 images: the sampler pads the second process with a repeat, counted once."""
     args = [*TINY, *RUN, "--drop_path_rate", "0", "--mixup", "0", "--cutmix", "0", "--val_subset", "9"]
-    with ThreadPoolExecutor(2) as pool:                  # both at once: most of the time is start-up
-        one, two = pool.map(lambda argv: run(*argv), [
-            ["drloc.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one")],
-            ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "drloc.py", *args,
-             "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two")]])
+    two = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "drloc.py", *args,
+                "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two"))
+    one = run_here("drloc.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one"))  # meanwhile
+    two = finish(two)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = load(tmp_path / "one" / "checkpoint.pth"), load(tmp_path / "two" / "checkpoint.pth")
@@ -572,10 +576,10 @@ def test_folder_with_a_truncated_jpeg_and_unusual_images(tmp_path):
     make_folder(tmp_path / "data" / "val", bad=False)
     args = ["--dataset", "folder", "--data_path", str(tmp_path / "data"), "--batch_size_per_gpu", "6",
             "--max_steps_per_epoch", "0", "--epochs", "1"]
-    with ThreadPoolExecutor(2) as pool:
-        stopped, skipped = pool.map(lambda extra: run_drloc(*args, *extra), [
-            ["--output_dir", str(tmp_path / "out1")], ["--skip_bad_images", "--output_dir", str(tmp_path / "out2")]])
-    assert stopped.returncode != 0 and "Traceback" not in stopped.stderr
+    stopped = start("drloc.py", *TINY, *args, "--output_dir", str(tmp_path / "out1"))    # a real process: stderr, status
+    skipped = run_drloc_here(*args, "--skip_bad_images", "--output_dir", str(tmp_path / "out2"))   # meanwhile
+    stopped = finish(stopped)
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr
     last = stopped.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot read image") and "truncated.jpg" in last and "--skip_bad_images" in last
     assert skipped.returncode == 0, skipped.stderr[-3000:]
@@ -586,7 +590,7 @@ def test_folder_with_a_truncated_jpeg_and_unusual_images(tmp_path):
 
 
 def test_plain_baseline_run_without_drloc(tmp_path):
-    result = run_drloc("--epochs", "1", "--lambda_drloc", "0", "--output_dir", str(tmp_path))
+    result = run_drloc_here("--epochs", "1", "--lambda_drloc", "0", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     record = records(tmp_path)[0]
     assert record["L_drloc"] == 0 and record["lambda_drloc"] == 0 and math.isfinite(record["L_ce"])

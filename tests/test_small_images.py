@@ -3,7 +3,6 @@ size, Swin windows that tile every crop, blur scaled with the crop, fractional-e
 validation split carved from the train split, and checkpoints of such runs evaluated as trained.
 The 224 px path must stay exactly the authors' (the reference cases of the other files check it)."""
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
+from test_reliability import run_here  # noqa: E402
 
 
 def run_args(**kw):
@@ -149,8 +149,7 @@ SMALL = ["--dataset", "synthetic", "--synthetic_images", "32", "--synthetic_imag
                                           ("esvit.py", ["--arch", "swin_pico3", "--fit_window", "true"]),
                                           ("glsd.py", ["--arch", "swin_pico3", "--fit_window", "true"])])
 def test_small_image_checkpoints_load_for_evaluation(tmp_path, script, flags):
-    result = subprocess.run([sys.executable, script, *SMALL, *flags, "--output_dir", str(tmp_path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    result = run_here(script, *SMALL, *flags, "--output_dir", str(tmp_path))     # the script's entry point, in process
     assert result.returncode == 0, result.stderr[-3000:]
     model, info = eval_knn.load_backbone(str(tmp_path / "checkpoint.pth"), crop=32)
     assert model(torch.randn(2, 3, 32, 32)).shape[0] == 2
