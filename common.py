@@ -621,36 +621,44 @@ def all_reduce_sum(t):
     return t
 
 
-def stop_if_not_finite(loss, epoch, args, debug_state):
-    """Collective: on a non-finite loss in any process, save `debug_state()` and stop with advice."""
-    bad = all_reduce_sum(torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], device=loss.device))
-    if bad.item() == 0:
-        return
-    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
-    state = {**debug_state(), "epoch": epoch, "args": vars(args)}
-    if is_main_process():
-        save_checkpoint(state, path)
-    clip = f"a --clip_grad below {args.clip_grad}" if args.clip_grad else "--clip_grad 3.0 (or lower)"
-    close_progress_bars()   # the error, not the bar, is the last line
-    log(f"error: the loss is {loss.item()} at epoch {epoch}; debug checkpoint written to {path}.\n"
-        f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
-        f"gradients. Try --precision fp32, a lower --lr, or {clip}.")
-    sys.exit(1)
+def step_sync(losses, epoch, args, debug_state):
+    """Collective, once per step before the backward: the step's statistics (name -> 0-dim tensor, "loss" first) as
+    floats averaged over the processes, and whether any process got a preemption signal, in one all-reduce and one
+    host read (each read waits for the GPU). A non-finite loss anywhere: rank 0 saves `debug_state()`, all stop."""
+    loss = losses["loss"].detach()
+    flags = [(~loss.isfinite()).to(loss.dtype), torch.full_like(loss, preemption_requested(loss.device))]
+    *values, nonfinite, preempted = all_reduce_sum(torch.stack([v.detach().to(loss.dtype) for v in losses.values()] + flags)).tolist()
+    stats = {name: value / get_world_size() for name, value in zip(losses, values)}
+    if nonfinite:
+        path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
+        state = {**debug_state(), "epoch": epoch, "args": vars(args)}
+        if is_main_process():
+            save_checkpoint(state, path)
+        if is_dist():   # the others wait for the file: one that exits first makes torchrun stop rank 0 mid-write
+            dist.barrier()
+        clip = f"a --clip_grad below {args.clip_grad}" if args.clip_grad else "--clip_grad 3.0 (or lower)"
+        close_progress_bars()   # the error, not the bar, is the last line
+        log(f"error: the loss is {stats['loss']} at epoch {epoch}; debug checkpoint written to {path}.\n"
+            f"Likely causes: mixed-precision overflow, a too high learning rate, or exploding "
+            f"gradients. Try --precision fp32, a lower --lr, or {clip}.")
+        sys.exit(1)
+    return stats, preempted > 0
 
 
 _preemption_signal = None     # set by the handler that `install_preemption_handler` installs
 
 
 def preemption_requested(device):
-    """Collective: True in every process as soon as any process received a preemption signal."""
-    return all_reduce_sum(torch.tensor([float(_preemption_signal is not None)], device=device)).item() > 0
+    """Whether this process received a preemption signal (tests replace it); `step_sync` shares it."""
+    return _preemption_signal is not None
 
 
 def exit_after_preemption(output_dir):
     close_progress_bars()
     log(f"received {_preemption_signal or 'a preemption signal'}: checkpoint written to "
         f"{Path(output_dir) / 'checkpoint.pth'}; run the same command again to resume")
-    if is_dist():
+    if is_dist():   # rank 0 may still be writing it: a process that exits first makes torchrun stop rank 0
+        dist.barrier()
         dist.destroy_process_group()
     sys.exit(0)
 
@@ -896,8 +904,8 @@ def build_eval_splits(args):
 
 # ======== B2. Processes, devices, loaders and preemption signals ==================================
 def init_distributed(device="auto"):
-    """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); one process when
-    absent. Backend: nccl on GPU, gloo on CPU. Returns the torch.device this process uses."""
+    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) gives a process group, of one process too (as the authors'
+    code: one GPU takes the NCCL / DDP path); without it, one process. nccl on GPU, gloo on CPU. Returns the device."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and re.fullmatch(r"cuda:\d+", device):
@@ -914,7 +922,7 @@ def init_distributed(device="auto"):
         torch.cuda.set_device(device)
         # the authors' cuDNN autotuning, and TF32 float32 matmuls as in their torch (1.7-1.8)
         torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if world_size > 1 and not dist.is_initialized():
+    if (world_size > 1 or "RANK" in os.environ) and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     return device
@@ -1005,7 +1013,7 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
                                with_epoch=isinstance(dataset, SeededDataset))
     loader = PreemptibleLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                                collate_fn=already_collated if getattr(dataset, "batched", False) else None,
-                               pin_memory=torch.cuda.is_available(), drop_last=train,
+                               pin_memory=torch.cuda.is_initialized(), drop_last=train,   # a run on a GPU
                                persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
                                worker_init_fn=ignore_preemption_signals)
     return loader, sampler
@@ -1062,7 +1070,7 @@ def rng_state():
     """This process's RNG states (of CUDA's, its own GPU's), in types `weights_only` loading accepts."""
     np_state, py_state = np.random.get_state(), random.getstate()
     return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_available() else [],
+            "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_initialized() else [],
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
             "python": [py_state[0], list(py_state[1]), py_state[2]]}
 
@@ -1072,9 +1080,9 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     cuda = state["cuda"]
     if isinstance(cuda, (list, tuple)):
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
         cuda = cuda[index] if index < len(cuda) else None
-    if cuda is not None and len(cuda) and torch.cuda.is_available():
+    if cuda is not None and len(cuda) and torch.cuda.is_initialized():   # a run on the CPU leaves the GPUs alone
         torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
@@ -1163,7 +1171,7 @@ def restore(checkpoint, **objects):
 # Arguments that may differ when a run is resumed: where and how it runs, not what it learns.
 # --epochs may change too (the schedules follow the new length), but not below the epochs done.
 RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_images", "saveckp_freq",
-                 "save_every_iters", "precision", "val_subset", "allow_changed_args"}
+                 "save_every_iters", "precision", "precision_auto", "val_subset", "allow_changed_args"}
 
 
 def check_crop_sizes(args):
@@ -1202,7 +1210,7 @@ def checkpoint_to_resume(args, method):
 
 def check_resumed_args(ckpt, args, path):
     """Refuse, in one line naming each, changed arguments that change what is trained."""
-    old, new = ckpt.get("args", {}), json.loads(json.dumps(vars(args)))    # tuples as lists, as stored
+    old, new = (json.loads(json.dumps(a, default=str)) for a in (ckpt.get("args", {}), vars(args)))  # tuples as lists
     changed = [k for k in sorted(old.keys() & new.keys()) if k not in RUN_ONLY_ARGS and k != "epochs" and old[k] != new[k]]
     if changed and not args.allow_changed_args:
         die(f"{path} was trained with other arguments: "
@@ -1309,6 +1317,7 @@ def take_lock(lock, output_dir):
                 holder = json.loads(os.pread(fd, 4096, 0) or b"{}")     # who wrote it
             except ValueError:
                 holder = {}                                             # junk: nobody to name
+            holder = holder if isinstance(holder, dict) else {}
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(fd).st_ino:
                 os.ftruncate(fd, 0)

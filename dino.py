@@ -172,7 +172,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, step)  # float32: outside autocast
         loss = losses["loss"]
-        common.stop_if_not_finite(loss, epoch, args, lambda: {
+        stats, preempted = common.step_sync(losses, epoch, args, lambda: {   # one host sync; stops on NaN
             "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
             "optimizer": optimizer.state_dict(), "dino_loss": criterion.state_dict()})
 
@@ -186,7 +186,6 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         scaler.update()
         common.update_teacher(student, teacher, momentum)
 
-        stats = {k: v.item() for k, v in losses.items()}
         del teacher_output, student_output, losses, loss   # not held through the next step's forward
         stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
@@ -195,9 +194,8 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", wd=f"{stats['wd']:.3f}",
                         mom=f"{stats['momentum']:.4f}", H_t=f"{stats['teacher_entropy']:.2f}")
 
-        preempted = common.preemption_requested(device)   # SIGTERM / SIGUSR1 in any process
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
-        if (preempted or periodic) and it + 1 < n_steps:  # after an epoch's last step, main() saves
+        if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
             save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
@@ -274,7 +272,7 @@ def main(args):
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if common.preemption_requested(device):
+        if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; teacher backbone for evaluation: {Path(args.output_dir) / 'teacher_backbone.pth'}")
 

@@ -441,7 +441,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
             outputs = model(images, generator=pair_generator(args.seed, epoch, it))
             losses = criterion(outputs, labels, lambda_drloc)
         loss = losses["loss"]
-        common.stop_if_not_finite(loss, epoch, args, lambda: {
+        stats, preempted = common.step_sync(losses, epoch, args, lambda: {   # one host sync; stops on NaN
             "model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
             "drloc_loss": criterion.state_dict()})
 
@@ -452,8 +452,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
         scaler.step(optimizer)
         scaler.update()
 
-        stats = {k: v.item() for k, v in losses.items()}
-        stats.update(lr=lr, grad_norm=grad_norm.item(), lambda_drloc=lambda_drloc)
+        stats.update(lr=lr, grad_norm=grad_norm.double(), lambda_drloc=lambda_drloc)   # summed on the device: read per epoch
         del outputs, losses, loss, grad_norm               # not held through the next step's forward
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
@@ -461,13 +460,12 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
         bar.set_postfix(L_ce=f"{stats['L_ce']:.4f}", L_drloc=f"{stats['L_drloc']:.4f}", lam=f"{lambda_drloc:.3f}",
                         lr=f"{lr:.2e}")
 
-        preempted = common.preemption_requested(device)   # SIGTERM / SIGUSR1 in any process
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
-        if (preempted or periodic) and it + 1 < n_steps:  # after an epoch's last step, main() saves
+        if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
             save_all(model, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
-    record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
+    record = {k: float(v) / max(n_steps - start_step, 1) for k, v in totals.items()}
     record.update(epoch=epoch, images_per_s=images_seen / (time.time() - start),
                   peak_memory_mb=common.peak_memory_mb(device))
     return record
@@ -499,7 +497,7 @@ def main(args):
     device = common.init_distributed(args.device)
     common.resolve_precision(args, device)
     common.install_preemption_handler()
-    common.fix_random_seeds(args.seed)
+    common.fix_random_seeds(args.seed + common.get_rank())   # as Swin's code: Mixup / CutMix and drop path draw per process
     check_args(args)
     common.claim_output_dir(args.output_dir)           # refused while another run uses it
     ckpt = common.checkpoint_to_resume(args, "drloc")  # or None: a fresh start
@@ -564,7 +562,7 @@ def main(args):
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if common.preemption_requested(device):
+        if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; backbone for evaluation: {Path(args.output_dir) / 'backbone.pth'}")
 

@@ -429,6 +429,7 @@ def main(args):
                 torch.save(t.cpu(), Path(args.dump_features) / name)
             common.log(f"features saved to {args.dump_features}")
     if not common.is_main_process():
+        dist.barrier()       # as the authors: every process ends after rank 0's k-NN (not a group torn down under it)
         return None
 
     common.log(f"k-NN over {len(train_labels)} train and {len(test_labels)} test images")
@@ -442,6 +443,8 @@ def main(args):
                                     k, args.temperature, num_classes)
         results[k] = (top1, top5)
         common.log(f"{k}-NN classifier result: top-1 {top1:.2f}%" + (f", top-5 {top5:.2f}%" if top5 is not None else ""))
+    if common.is_dist():
+        dist.barrier()
     return results
 
 

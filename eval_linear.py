@@ -149,7 +149,8 @@ def check_feature_args(model, args):
 @torch.no_grad()
 def extract_features(model, dataset, args, device):
     """The probe features and labels of every readable image of `dataset`, in dataset order, on every
-    process (each process extracts its share; the rows are exchanged), and how many were unreadable."""
+    process (each process extracts its share; the rows are exchanged), and how many were unreadable. In host
+    memory: a GPU holds only the batches (ImageNet's ViT-S features are 7.9 GB, once per process)."""
     loader, _ = common.make_loader(eval_knn.IndexedDataset(dataset, common.eval_transform(args.resize, args.crop)),
                                    args.batch_size_per_gpu, args.num_workers, train=False)
     features = labels = None
@@ -157,9 +158,9 @@ def extract_features(model, dataset, args, device):
         rows = probe_features(model, images.to(device), args).float()
         rows, batch_labels, index = eval_knn.all_gather_rows(rows, batch_labels.to(device), index.to(device))
         if features is None:
-            features = torch.zeros(len(dataset), rows.shape[1], device=device)
-            labels = torch.full((len(dataset),), eval_knn.SKIPPED, dtype=torch.long, device=device)
-        features[index], labels[index] = rows, batch_labels  # the sampler's padding rows repeat real images
+            features = torch.zeros(len(dataset), rows.shape[1])
+            labels = torch.full((len(dataset),), eval_knn.SKIPPED, dtype=torch.long)
+        features[index.cpu()], labels[index.cpu()] = rows.cpu(), batch_labels.cpu()  # padding rows repeat real images
     if features is None:
         common.die("the train split has no images: there is nothing to train a linear probe on")
     readable = labels != eval_knn.SKIPPED

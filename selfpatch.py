@@ -240,9 +240,11 @@ def neighbor_table(h, w, wrap=True):
 @torch.no_grad()
 def select_positives(tokens, neighbors, valid, k):
     """tokens [B, N, C] (the teacher's raw backbone tokens) -> [B, N, k]: flat indices of each patch's
-    k valid candidates (`neighbor_table`) with the highest cosine similarity to it."""
-    x = F.normalize(tokens.float(), dim=-1)
-    similarity = (x @ x.transpose(1, 2)).gather(2, neighbors.expand(len(x), -1, -1))  # [B, N, 8]
+    k valid candidates (`neighbor_table`) with the highest cosine similarity to it. In float32 under any
+    autocast, as the DINO head: bf16 similarities (8 bits) reorder near ties and pick other positives."""
+    with torch.autocast(tokens.device.type, enabled=False):
+        x = F.normalize(tokens.float(), dim=-1)
+        similarity = (x @ x.transpose(1, 2)).gather(2, neighbors.expand(len(x), -1, -1))  # [B, N, 8]
     best = similarity.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices        # positions in the table
     return neighbors.expand(len(x), -1, -1).gather(2, best)
 
@@ -326,14 +328,21 @@ class SelfPatch(nn.Module):
 
     def positives(self, grid):
         """grid [B, h, w, C] raw tokens -> [B, h*w, k] flat indices of every patch's positives."""
-        h, w = grid.shape[1:3]
-        neighbors, valid = neighbor_table(h, w, self.neighbors_wrap)
-        fewest = int(valid.sum(1).min())
-        if not 1 <= self.k_num <= fewest:
-            fix = "larger crops or a smaller --patch_size" if self.neighbors_wrap else "--neighbors_wrap true"
-            common.die(f"--k_num {self.k_num} needs 1 to {fewest} positives on a {h}x{w} patch grid with "
-                       f"--neighbors_wrap {str(self.neighbors_wrap).lower()}: lower --k_num, or use {fix}")
-        return select_positives(grid.flatten(1, 2), neighbors.to(grid.device), valid.to(grid.device), self.k_num)
+        neighbors, valid = candidates(*grid.shape[1:3], self.neighbors_wrap, self.k_num, grid.device)
+        return select_positives(grid.flatten(1, 2), neighbors, valid, self.k_num)
+
+
+@lru_cache(maxsize=None)
+def candidates(h, w, wrap, k, device):
+    """`neighbor_table` on `device`, checked to offer k positives everywhere: once per grid and device, not a
+    copy to the GPU and a read back every step."""
+    neighbors, valid = neighbor_table(h, w, wrap)
+    fewest = int(valid.sum(1).min())
+    if not 1 <= k <= fewest:
+        fix = "larger crops or a smaller --patch_size" if wrap else "--neighbors_wrap true"
+        common.die(f"--k_num {k} needs 1 to {fewest} positives on a {h}x{w} patch grid with "
+                   f"--neighbors_wrap {str(wrap).lower()}: lower --k_num, or use {fix}")
+    return neighbors.to(device), valid.to(device)
 
 
 def build_model(args, drop_path_rate):
@@ -373,7 +382,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, step)  # float32: outside autocast
         loss = losses["loss"]
-        common.stop_if_not_finite(loss, epoch, args, lambda: {
+        stats, preempted = common.step_sync(losses, epoch, args, lambda: {   # one host sync; stops on NaN
             "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
             "optimizer": optimizer.state_dict(), "selfpatch_loss": criterion.state_dict()})
 
@@ -387,7 +396,6 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         scaler.update()
         common.update_teacher(student, teacher, momentum)
 
-        stats = {k: v.item() for k, v in losses.items()}
         del teacher_output, student_output, losses, loss   # not held through the next step's forward
         stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
@@ -397,9 +405,8 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
                         lr=f"{stats['lr']:.2e}", wd=f"{stats['wd']:.3f}", mom=f"{stats['momentum']:.4f}",
                         H_t=f"{stats['teacher_entropy']:.2f}")
 
-        preempted = common.preemption_requested(device)   # SIGTERM / SIGUSR1 in any process
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
-        if (preempted or periodic) and it + 1 < n_steps:  # after an epoch's last step, main() saves
+        if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
             save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
@@ -478,7 +485,7 @@ def main(args):
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if common.preemption_requested(device):
+        if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; teacher for evaluation (its image token): {Path(args.output_dir) / 'checkpoint.pth'}")
 

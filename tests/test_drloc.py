@@ -552,7 +552,9 @@ def test_two_processes_equal_one_process(tmp_path):
     off. Mixup / CutMix off: timm's Mixup draws its lambda from each process's NumPy RNG and mixes
     each image with its mirror in the process's own batch, so two processes mix other image pairs
     than one; making it process-invariant would need a mixup over the global batch, not timm's.
-    Validation on 9 images: the sampler pads the second process with a repeat, counted once."""
+    Validation on 9 images: the sampler pads the second process with a repeat, counted once. Each
+    process seeds its generators with seed + rank, as Swin's code: with mixup and drop path on, the two
+    would draw the same lambda, box and masks (their saved RNG states differ; one process's is seed's)."""
     args = [*TINY, *RUN, "--drop_path_rate", "0", "--mixup", "0", "--cutmix", "0", "--val_subset", "9"]
     two = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "drloc.py", *args,
                 "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two"))
@@ -563,6 +565,10 @@ def test_two_processes_equal_one_process(tmp_path):
     a, b = load(tmp_path / "one" / "checkpoint.pth"), load(tmp_path / "two" / "checkpoint.pth")
     assert len(a["rng"]) == 1 and len(b["rng"]) == 2 and records(tmp_path / "two")[-1]["L_drloc"] > 0
     assert_same_trajectory({k: a[k] for k in ("model", "optimizer")}, {k: b[k] for k in ("model", "optimizer")})
+    for generator in ("torch", "numpy"):
+        rank0, rank1 = (state[generator] if generator == "torch" else state[generator][1] for state in b["rng"])
+        assert torch.equal(a["rng"][0][generator] if generator == "torch" else a["rng"][0][generator][1], rank0)
+        assert not torch.equal(rank0, rank1)
     assert [r["val_images"] for r in records(tmp_path / "one")] == [r["val_images"] for r in records(tmp_path / "two")] \
         == [9, 9]
 

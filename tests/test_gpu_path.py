@@ -4,12 +4,17 @@ settings, the DINO head in float32 under bf16, and the sync-free training utilit
 clipping, EMA, crop-pair selection, centre sums, the region einsum), each bit for bit equal to
 the straightforward formula it replaces. CUDA functions are replaced by fakes where a test needs
 a GPU that is not there."""
+import argparse
 import json
+import os
+import shutil
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -80,9 +85,10 @@ def test_fp32_run_resumed_in_fp16(tmp_path):
 class FakeCudaRng:
     """Enough of torch.cuda for rng_state / set_rng_state: `visible` GPUs, this process on `current`."""
 
-    def __init__(self, monkeypatch, visible, current):
+    def __init__(self, monkeypatch, visible, current, initialized=True):
         self.visible, self.current, self.set_calls = visible, current, []
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)     # False: the run is on the CPU
         monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
         monkeypatch.setattr(torch.cuda, "get_rng_state", self.get_rng_state)
@@ -120,6 +126,120 @@ def test_old_checkpoint_with_a_state_per_visible_gpu(monkeypatch):
     assert fake.set_calls == []
     common.set_rng_state({**old, "cuda": []})                  # written on a CPU
     assert fake.set_calls == []
+
+
+def test_a_cpu_run_on_a_gpu_node_leaves_the_gpus_alone(monkeypatch):
+    """A --device cpu run on a machine with GPUs saves and restores no CUDA RNG state and pins no loader
+    memory: either would open a CUDA context on GPU 0 that the run never uses."""
+    fake = FakeCudaRng(monkeypatch, visible=8, current=0, initialized=False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: pytest.fail("CUDA's RNG read by a CPU run"))
+    state = common.rng_state()
+    assert state["cuda"] == []
+    common.set_rng_state({**state, "cuda": fake.state_of(0)})      # a checkpoint written on a GPU
+    assert fake.set_calls == []
+    loader, _ = common.make_loader(list(range(8)), 4, num_workers=0)
+    assert not loader.pin_memory
+
+
+# ------------------------------------------------------------------------------------------------
+# Precision is how a run computes, not what it learns; a process group whenever torchrun starts a run
+# ------------------------------------------------------------------------------------------------
+def test_auto_run_resumed_with_every_explicit_precision_and_back(tmp_path):
+    """A run trained with --precision auto resumes with --precision fp32, fp16 and bf16 (and an explicit
+    run with auto): `precision_auto` is recorded, not compared; the grad scaler follows the new precision
+    (`common.restore`: fp16 starts one at 65536, the others have none). Refused before: docs/FIRST_GPU_RUN.md's
+    old step 5 (auto on a GPU, then --precision fp16) stopped at start-up."""
+    tiny = ["--arch", "vit_pico", "--dataset", "synthetic", "--synthetic_images", "8", "--synthetic_image_size", "32",
+            "--global_crop_size", "32", "--local_crop_size", "16", "--local_crops_number", "1", "--out_dim", "32",
+            "--head_hidden_dim", "32", "--head_bottleneck_dim", "16", "--batch_size_per_gpu", "8", "--num_workers", "0",
+            "--warmup_epochs", "0", "--device", "cpu"]
+    first = run_here("dino.py", *tiny, "--epochs", "1", "--precision", "auto", "--output_dir", tmp_path / "auto")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert torch.load(tmp_path / "auto" / "checkpoint.pth", weights_only=True)["args"]["precision_auto"]
+    for precision in ("fp32", "fp16", "bf16"):
+        (tmp_path / precision).mkdir()
+        shutil.copy(tmp_path / "auto" / "checkpoint.pth", tmp_path / precision / "checkpoint.pth")
+        resumed = run_here("dino.py", *tiny, "--epochs", "2", "--precision", precision, "--output_dir", tmp_path / precision)
+        assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
+        ckpt = torch.load(tmp_path / precision / "checkpoint.pth", weights_only=True)
+        assert ckpt["epoch"] == 2 and (ckpt["args"]["precision"], ckpt["args"]["precision_auto"]) == (precision, False)
+        assert ckpt["scaler"] == {} if precision != "fp16" else 0 < ckpt["scaler"]["scale"] <= 2.0 ** 16
+    back = run_here("dino.py", *tiny, "--epochs", "3", "--precision", "auto", "--output_dir", tmp_path / "fp16")
+    assert back.returncode == 0 and "resumed from" in back.stdout, back.stderr[-2000:]
+
+
+def test_torchrun_environment_gives_a_process_group_of_one_process(monkeypatch):
+    """`torchrun --nproc_per_node 1` sets RANK: the run gets a process group of one (NCCL and DDP on a GPU,
+    gloo here), the path of a multi-GPU run, as the authors' init_distributed_mode does; a plain
+    `python script.py` (no RANK) gets none."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+        monkeypatch.setenv(name, str(value))
+    try:
+        assert common.init_distributed("cpu") == CPU
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    monkeypatch.delenv("RANK")
+    common.init_distributed("cpu")
+    assert not dist.is_initialized()
+
+
+def test_one_all_reduce_and_one_read_per_step_and_the_debug_file_awaited(tmp_path, monkeypatch):
+    """`step_sync` averages the step's statistics over the processes and reports a preemption signal of
+    any process; on a non-finite loss rank 0 writes checkpoint_nonfinite.pth and only then does every
+    process pass a barrier and exit (one that left first made torchrun stop rank 0 in mid-write), as
+    after a preemption's checkpoint. In a one-process gloo group."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    order, args = [], argparse.Namespace(output_dir=str(tmp_path), clip_grad=3.0)
+    monkeypatch.setattr(common, "save_checkpoint", lambda state, path: order.append(f"save {path.name}"))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: order.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: order.append("destroy"))
+    try:
+        losses = {"loss": torch.tensor(2.5), "part": torch.tensor(0.25)}
+        assert common.step_sync(losses, 0, args, dict) == ({"loss": 2.5, "part": 0.25}, False)
+        monkeypatch.setattr(common, "_preemption_signal", "SIGTERM")
+        assert common.step_sync(losses, 0, args, dict)[1] is True
+        with pytest.raises(SystemExit) as stop:
+            common.step_sync({"loss": torch.tensor(float("nan"))}, 0, args, dict)
+        assert stop.value.code == 1 and order == ["save checkpoint_nonfinite.pth", "barrier"]
+        with pytest.raises(SystemExit):
+            common.exit_after_preemption(tmp_path)
+        assert order[2:] == ["barrier", "destroy"]
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("junk", [b"[1, 2]", b"null", b"42", b"\xff\xfe{", b'{"pid": "x"'])
+def test_a_malformed_lock_is_taken_over_not_a_traceback_before_the_others_hear(tmp_path, junk):
+    """Rank 0 reads the .lock of --output_dir before the all-gather that tells the other processes whether
+    the folder is theirs: a lock holding valid JSON that is not an object failed there with a traceback
+    (AttributeError) and left the others waiting. Any junk is a lock nobody holds: taken over."""
+    (tmp_path / ".lock").write_bytes(junk)
+    try:
+        common.claim_output_dir(tmp_path)
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    finally:
+        common.release_output_dir()
+
+
+def test_bench_applies_the_authors_cuda_settings_as_training_does(monkeypatch):
+    """extras/bench.py sets the device up through `common.init_distributed` (cudnn.benchmark and TF32 on
+    CUDA: test_cuda_device_gets_cudnn_benchmark_and_tf32) before it times anything."""
+    import bench
+    calls = []
+
+    def init_distributed(device):
+        calls.append(device)
+        raise SystemExit("stop")
+    monkeypatch.setattr(common, "init_distributed", init_distributed)
+    with pytest.raises(SystemExit, match="stop"):
+        bench.main(["--device", "cuda", "--methods", "dino"])
+    assert calls == ["cuda"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -462,3 +462,19 @@ def test_training_runs_and_resumes(tmp_path):
         image_logits, _ = model.eval()([images])
     expected = teacher_outputs.head_statistics(image_logits, ckpt["selfpatch_loss"]["center"], ckpt["args"]["teacher_temp"])
     assert got[:2] == pytest.approx(expected[:2], abs=1e-4) and got[2] == expected[2]
+
+
+def test_positives_under_bf16_autocast_are_the_float32_selection():
+    """The teacher picks each patch's positives from cosine similarities of neighbouring tokens, which sit
+    close together (here 0.999 +- 0.001, as the tokens of one object do): in bf16 (8 significant bits)
+    they tie and reorder, and 99% of the patches got another set of positives. `select_positives`
+    computes them in float32 under any autocast, as the DINO head does: the same selection."""
+    torch.manual_seed(0)
+    h = w = 14
+    tokens = (torch.randn(4, 1, 64) + 0.05 * torch.randn(4, h * w, 64))      # one direction, small variations
+    neighbors, valid = sp.neighbor_table(h, w, True)
+    reference = sp.select_positives(tokens, neighbors, valid, 4)
+    with common.autocast(torch.device("cpu"), "bf16"):
+        assert torch.equal(sp.select_positives(tokens, neighbors, valid, 4), reference)
+        assert torch.equal(sp.SelfPatch(None, None, None, None, k_num=4).positives(tokens.unflatten(1, (h, w))),
+                           reference)

@@ -1,0 +1,500 @@
+"""The first GPU run in one command: every training script at paper size, the GPU-only paths, a summary.
+
+    python extras/gpu_check.py                 # 1+ GPUs: about 6 min on one H100 (docs/FIRST_GPU_RUN.md), no download
+    python extras/gpu_check.py --device cpu    # the reduced form: tiny models, gloo (tests/test_gpu_check.py)
+
+Each part runs in its own processes, forked from this one (torch is imported once) with torchrun's
+environment, so every script runs inside a process group (NCCL; one rank on one GPU); a part is
+skipped when a part it needs failed. The parts (docs/FIRST_GPU_RUN.md says what each line should show):
+dino esvit glsd selfpatch drloc (50 steps at paper size, `--precision auto`; timed after 5 warm-up
+steps, host syncs counted over 5 untimed steps), dino_preempted / dino_resumed (SIGTERM during step
+10, the same command again), dino_fp16 (DINO's checkpoint resumed with `--precision fp16`), eval_knn and
+eval_linear (--precomputed_features) on DINO's teacher, glsd_batched (--batched_crops), and with 2+
+GPUs (always on a CPU) <method>_one_process / <method>_two_processes compared by their weights.
+Every part's flags are parsed by its script's own parser before anything runs; rank r's output is in
+--out/<part>.rank<r>.log, whose first line is the command that repeats the part by hand.
+"""
+import argparse
+import atexit
+import contextlib
+import importlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+TORCH_DIR = os.path.dirname(torch.__file__)
+HOST_SIDE = tuple(os.path.join(TORCH_DIR, d, "") for d in ("optim", "amp"))   # torch's reads of host tensors
+aten = torch.ops.aten
+
+
+# ======== Host syncs, counted on any device =======================================================
+class SyncCounter(TorchDispatchMode):
+    """While active, counts what makes the host wait for a GPU: reading a tensor's value (`.item()`,
+    `bool()`, `float()`, `.tolist()`, `.numpy()`), operations whose output size depends on the data
+    (`nonzero`, boolean-mask indexing, `unique`, ...), and copies to or from the host that do not say
+    `non_blocking=True` (`torch.tensor(..., device=)`, `.to(device)`, `.cpu()`). On a CPU every tensor
+    lives on the host, so the counter counts what *would* wait on a GPU; it leaves out torch's own
+    reads in torch/optim (step counters kept on the host) and torch/amp (the fp16 grad scaler's one
+    per step, which CUDA's count shows). `sites` names the line of each (file:line -> count). On CUDA it
+    also takes CUDA's own count (`cuda`), from `torch.cuda.set_sync_debug_mode`."""
+    DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+                      aten.unique_consecutive.default, aten.equal.default, aten.repeat_interleave.Tensor,
+                      aten.bincount.default, aten._local_scalar_dense.default}
+    BOOL_INDEXED = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.sites, self.saved, self.cuda, self.caught = 0, {}, {}, None, None
+
+    def note(self):
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if path.startswith(HOST_SIDE):
+                return
+            if not path.startswith(TORCH_DIR) and path != __file__:
+                break
+            frame = frame.f_back
+        site = "?" if frame is None else f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno}"
+        self.count += 1
+        self.sites[site] = self.sites.get(site, 0) + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.DATA_DEPENDENT or (func in self.BOOL_INDEXED and any(
+                torch.is_tensor(i) and i.dtype == torch.bool for i in (args[1] or []))):
+            self.note()
+        return func(*args, **(kwargs or {}))
+
+    def patch(self, owner, name, counts):
+        original = self.saved[(owner, name)] = getattr(owner, name)
+
+        def counted(*args, **kwargs):             # torch's own calls of these keep tensors where they are
+            if not sys._getframe(1).f_code.co_filename.startswith(TORCH_DIR) and counts(*args, **kwargs):
+                self.note()
+            return original(*args, **kwargs)
+        setattr(owner, name, counted)
+
+    def __enter__(self):
+        def blocking_copy(_tensor, *args, **kwargs):
+            device, _dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            return device is not None and not non_blocking
+        for name in ("tolist", "numpy", "cpu"):
+            self.patch(torch.Tensor, name, lambda *a, **k: True)
+        self.patch(torch.Tensor, "to", blocking_copy)
+        for name in ("tensor", "as_tensor"):
+            self.patch(torch, name, lambda *a, device=None, **k: device is not None)
+        if torch.cuda.is_initialized():           # and CUDA's own count: a warning at every synchronising call
+            self.caught = warnings.catch_warnings(record=True)
+            self.warned = self.caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for (owner, name), original in self.saved.items():
+            setattr(owner, name, original)
+        self.saved.clear()
+        if self.caught:
+            torch.cuda.set_sync_debug_mode(0)
+            self.caught.__exit__(*exc)
+            self.cuda, self.caught = sum("synchroniz" in str(w.message) for w in self.warned), None
+        return super().__exit__(*exc)
+
+
+# ======== In a part's process: a clock on the loader of train_one_epoch ===========================
+@dataclass
+class Probe:
+    """What a part's process measures: per step (data wait, compute) in seconds; syncs of steps
+    [sync_from, sync_to); SIGTERM to itself when batch `preempt_at` is handed out (rank 0)."""
+    sync_from: int = 0
+    sync_to: int = 0
+    preempt_at: int = -1
+    steps: list = field(default_factory=list)
+    syncs: list = field(default_factory=list)
+    open: tuple = None
+    counter: SyncCounter = None
+
+    def stop_counting(self, keep=True):
+        if self.counter:
+            self.counter.__exit__(None, None, None)
+            self.syncs += [{"counter": self.counter.count, "cuda": self.counter.cuda, "sites": self.counter.sites}] * keep
+            self.counter = None
+
+    def clock(self, iterator):
+        self.open = None                                     # a batch fetched at an epoch's end and left
+        self.stop_counting(keep=False)
+        while True:
+            asked = time.perf_counter()
+            if self.open:                                    # the step before has ended: it asks for the next batch
+                self.steps.append((self.open[0], asked - self.open[1]))
+                self.open = self.stop_counting()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            got, n = time.perf_counter(), len(self.steps)
+            self.open = (got - asked, got)
+            if n == self.preempt_at and common.is_main_process():
+                self.preempt_at = -1
+                os.kill(os.getpid(), signal.SIGTERM)         # a real signal, handled by the script's own handler
+            if self.sync_from <= n < self.sync_to and not self.counter:
+                self.counter = SyncCounter().__enter__()
+            yield batch
+
+
+def clocked(loader, probe):
+    """`loader` itself, iterated through `probe.clock` (a persistent loader is wrapped once)."""
+    base = type(loader)
+    if base.__name__ != "Clocked":
+        loader.__class__ = type("Clocked", (base,), {"__iter__": lambda self: probe.clock(base.__iter__(self))})
+    return loader
+
+
+def run_part(part, rank, port, out):
+    """The body of one process of a part: torchrun's environment, output to its log, the script's own
+    entry point (`common.run_script`) with `train_one_epoch`'s loader clocked; never returns."""
+    os.setpgid(0, 0)                                         # the parent ends the whole group on a timeout
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(part.nproc), GROUP_RANK="0",
+                      LOCAL_WORLD_SIZE=str(part.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **part.env)
+    with open(out / f"{part.name}.rank{rank}.log", "w") as log:
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+    probe, code = Probe(*part.sync_window, preempt_at=part.preempt_at), 1
+    print(f"# {part.command()}", flush=True)
+    try:
+        module = importlib.import_module(part.script)
+        if hasattr(module, "train_one_epoch"):
+            train = module.train_one_epoch
+            module.train_one_epoch = lambda *a, **k: train(*[clocked(x, probe) if isinstance(
+                x, torch.utils.data.DataLoader) else x for x in a], **k)
+        common.run_script(module.main, module.get_args_parser(), part.argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        probe.stop_counting()
+        if rank == 0:
+            (out / f"{part.name}.json").write_text(json.dumps({"steps": probe.steps, "syncs": probe.syncs}))
+        atexit._run_exitfuncs()           # the script's exit handlers (loader workers), then the buffers
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+
+
+# ======== The parts of each form ==================================================================
+@dataclass
+class Part:
+    name: str
+    script: str
+    argv: list
+    nproc: int = 1
+    needs: tuple = ()
+    env: dict = field(default_factory=dict)
+    sync_window: tuple = (0, 0)
+    preempt_at: int = -1
+    start_from: str = None      # a part whose checkpoint.pth is copied into this part's --output_dir first
+
+    def command(self):
+        return " ".join([*(f"{k}={v}" for k, v in self.env.items()), "torchrun --nproc_per_node", str(self.nproc),
+                         f"{self.script}.py", *self.argv])
+
+
+ARCH = {"dino": "vit", "esvit": "swin", "glsd": "swin", "selfpatch": "vit", "drloc": "swin"}
+FORMS = {
+    "gpu": dict(steps=25, warmup=5, syncs=5, preempt=10, size=256, eval_images=2048, linear_epochs=5, pairs=["dino"], pair_steps=4,
+                batch={"dino": 64, "esvit": 32, "glsd": 32, "selfpatch": 64, "drloc": 128},   # the scripts' defaults
+                arch={"vit": ["--arch", "vit_small"], "swin": ["--arch", "swin_tiny"]}, ssl=[], selfpatch=[], drloc=["--val_subset", "512"],
+                eval=["--batch_size_per_gpu", "128"]),
+    "cpu": dict(steps=3, warmup=1, syncs=2, preempt=1, size=64, eval_images=64, linear_epochs=2, batch=dict.fromkeys(ARCH, 8),
+                pairs=["dino", "esvit", "glsd", "selfpatch"], pair_steps=2, pair_batch=4,
+                arch={"vit": ["--arch", "vit_pico", "--patch_size", "8"], "swin": ["--arch", "swin_pico"]},
+                ssl=["--global_crop_size", "64", "--local_crop_size", "32", "--local_crops_number", "2", "--out_dim", "64",
+                     "--head_hidden_dim", "64", "--head_bottleneck_dim", "32"], selfpatch=["--patch_out_dim", "64"],
+                drloc=["--input_size", "64", "--val_subset", "8"],
+                eval=["--batch_size_per_gpu", "16", "--resize", "64", "--crop", "64"]),
+}
+
+
+def plan(form, gpus, out):
+    """The parts of the GPU form (`gpus` GPUs) or of the CPU form, writing under `out`."""
+    f, out = FORMS[form], Path(out)
+    device = ["--device", "cpu", "--num_workers", "0"] if form == "cpu" else []
+    data = ["--dataset", "synthetic", "--synthetic_image_size", str(f["size"])]
+
+    def train(method, name=None, steps=f["steps"], epochs=2, batch=None, extra=(), images=None, **kw):
+        batch = batch or f["batch"][method]
+        argv = [*f["arch"][ARCH[method]], *data, "--synthetic_images", str(images or batch * steps), "--batch_size_per_gpu",
+                str(batch), "--epochs", str(epochs), "--max_steps_per_epoch", str(steps), "--warmup_epochs", "1",
+                "--precision", "auto", "--saveckp_freq", "0", "--output_dir", str(out / (name or method)), *device,
+                *(f["drloc"] + ["--lambda_schedule", "constant"] if method == "drloc" else f["ssl"]),
+                *(f["selfpatch"] if method == "selfpatch" else []), *extra]
+        return Part(name or method, method, argv, **kw)
+
+    parts = [train(m, sync_window=(f["warmup"], f["warmup"] + f["syncs"])) for m in ARCH]
+    parts += [train("dino", "dino_preempted", preempt_at=f["preempt"]),
+              train("dino", "dino_resumed", needs=("dino", "dino_preempted"), start_from="dino_preempted"),
+              train("dino", "dino_fp16", epochs=3, needs=("dino",), start_from="dino", extra=["--precision", "fp16"])]
+    weights = ["--pretrained_weights", str(out / "dino" / "checkpoint.pth"), *data, "--synthetic_images",
+               str(f["eval_images"]), *f["eval"], *device]
+    ranks = min(gpus, 2) if gpus else 2
+    parts += [Part("eval_knn", "eval_knn", [*weights, "--nb_knn", "5", "20"], ranks, needs=("dino",)),
+              Part("eval_linear", "eval_linear", [*weights, "--precomputed_features", "true", "--epochs",
+                   str(f["linear_epochs"]), "--output_dir", str(out / "eval_linear")], ranks, needs=("dino",)),
+              train("glsd", "glsd_batched", epochs=1, extra=["--batched_crops", "true"])]
+    for method in f["pairs"] if form == "cpu" or gpus >= 2 else []:   # fp32 without TF32: rounding apart only
+        batch = f.get("pair_batch") or f["batch"][method]
+        same = dict(steps=f["pair_steps"], epochs=1, images=2 * batch * f["pair_steps"], batch=batch,
+                    env={"NVIDIA_TF32_OVERRIDE": "0"}, extra=["--drop_path_rate", "0", "--precision", "fp32"])
+        parts += [train(method, f"{method}_one_process", **{**same, "batch": 2 * batch}),
+                  train(method, f"{method}_two_processes", nproc=2, needs=(f"{method}_one_process",), **same)]
+    return parts
+
+
+def check_commands(parts):
+    """Parse every part's flags with its script's own parser: a wrong flag stops here, not after minutes."""
+    for part in parts:
+        parser = importlib.import_module(part.script).get_args_parser()
+        parser.exit = lambda status=0, message=None: common.die(f"part {part.name}: {(message or '').strip()}")
+        parser.error = lambda message: common.die(f"part {part.name}: {part.script}.py {message}")
+        parser.parse_args(part.argv)
+
+
+# ======== Running the parts: forked processes, torchrun's environment, a timeout ==================
+_running = []      # process-group ids of the part now running (ended on Ctrl-C)
+
+
+def end(pids):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def launch(part, out, timeout):
+    """Fork the part's processes and wait: at most `timeout` s, and once one has failed 30 s for the
+    others (torchrun's grace). Returns (exit statuses by rank, seconds, whether it timed out)."""
+    if part.start_from:
+        (out / part.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / part.start_from / "checkpoint.pth", out / part.name / "checkpoint.pth")
+    with socket.socket() as sock:                               # a free port for the group's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port, start, pids, status, timed_out = sock.getsockname()[1], time.time(), [], {}, False
+    for rank in range(part.nproc):
+        pid = os.fork()
+        if pid == 0:
+            run_part(part, rank, port, out)
+        pids.append(pid)
+    _running[:] = pids
+    deadline = start + timeout
+    while len(status) < len(pids):
+        time.sleep(0.1)
+        for pid in pids:
+            done, raw = (0, 0) if pid in status else os.waitpid(pid, os.WNOHANG)
+            if done:
+                status[pid] = os.waitstatus_to_exitcode(raw)
+        if any(status.values()):
+            deadline = min(deadline, time.time() + 30)
+        if time.time() > deadline and len(status) < len(pids):
+            timed_out, rest = True, [p for p in pids if p not in status]
+            end(rest)
+            status.update((p, os.waitstatus_to_exitcode(os.waitpid(p, 0)[1])) for p in rest)
+    _running.clear()
+    return [status[p] for p in pids], time.time() - start, timed_out
+
+
+# ======== What each part should show ==============================================================
+SYNCS_PER_STEP = dict.fromkeys(ARCH, 1)      # docs/FIRST_GPU_RUN.md; tests/test_gpu_check.py keeps it true on CPUs
+
+
+def records(folder):
+    path = folder / "log.txt"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def output(out, name, rank=0):
+    path = out / f"{name}.rank{rank}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def training(part, out, form, problems):
+    """The line of a training part: precision, step time, data wait, images/s, peak memory, loss, syncs."""
+    folder, f = out / part.name, FORMS[form]
+    logged, args = records(folder), json.loads((folder / "args.json").read_text())
+    if not logged or not all(math.isfinite(r["loss"]) for r in logged):
+        problems.append("a missing or non-finite loss in log.txt")
+    report = json.loads((out / f"{part.name}.json").read_text())
+    steps = [(w, w + c) for i, (w, c) in enumerate(report["steps"])
+             if i >= f["warmup"] and not part.sync_window[0] <= i < part.sync_window[1]] or [(0, math.nan)]
+    step, wait = statistics.median(s for _, s in steps), statistics.median(w for w, _ in steps)
+    text = (f"{args['precision']}{' (auto)' if args.get('precision_auto') else ''}, {1e3 * step:.0f} ms/step, data wait "
+            f"{1e3 * wait:.0f} ms, {args['batch_size_per_gpu'] * part.nproc / step:.0f} img/s, "
+            f"{max(r['peak_memory_mb'] for r in logged):,.0f} MB, loss {logged[-1]['loss']:.4g}" if logged else "no log")
+    if report["syncs"]:
+        counter = max(s["counter"] for s in report["syncs"])
+        cuda = [s["cuda"] for s in report["syncs"] if s["cuda"] is not None]
+        text += f", syncs/step {counter}" + (f" (CUDA {max(cuda)})" if cuda else "")
+        allowed = SYNCS_PER_STEP[part.script]
+        if counter > allowed or (cuda and max(cuda) > allowed + (args["precision"] == "fp16")):
+            sites = {k: v for s in report["syncs"] for k, v in s["sites"].items()}
+            problems.append(f"more than {allowed} host sync(s) per step (counted at {sites})")
+    return text, step
+
+
+def rms(tensors):
+    return math.sqrt(sum(t.double().pow(2).sum().item() for t in tensors) / max(sum(t.numel() for t in tensors), 1))
+
+
+def compare_runs(a, b, method):
+    """How far apart two runs of `method` ended: the RMS difference of student and teacher over how far the
+    student moved (the RMS of student - teacher), and of the loss's centres over their own RMS."""
+    def floats(state):
+        return [state[k] for k in sorted(state) if torch.is_tensor(state[k]) and state[k].is_floating_point()]
+    moved, gap = rms([s - t for s, t in zip(floats(a["student"]), floats(a["teacher"]))]), {}
+    for key in ("student", "teacher", f"{method}_loss"):
+        gap[key] = rms([x - y for x, y in zip(floats(a[key]), floats(b[key]))]) / (moved if key in ("student", "teacher")
+                                                                                       else rms(floats(a[key])))
+    return gap
+
+
+def checkpoint(out, name):
+    return torch.load(out / name / "checkpoint.pth", map_location="cpu", weights_only=True)
+
+
+def evaluate(part, result, out, form, steps):
+    """(passed, the summary line's text) of a part that ran; `steps` collects median steps by part."""
+    codes, seconds, timed_out = result
+    if timed_out or any(codes):
+        last = next((line for line in reversed(output(out, part.name, next(
+            (r for r, c in enumerate(codes) if c), 0)).splitlines()) if line.strip()), "")
+        return False, (f"timed out after {seconds:.0f} s" if timed_out else f"exit status {codes}") + f": {last[-300:]}"
+    problems, text, log = [], "", output(out, part.name)
+    if part.name in ARCH or part.name == "glsd_batched":
+        text, steps[part.name] = training(part, out, form, problems)
+        if part.name == "glsd_batched" and "glsd" in steps:
+            text += f" ({steps['glsd'] / steps[part.name]:.2f}x the PIL crops' images/s)"
+    elif part.name == "dino_preempted":
+        ckpt = checkpoint(out, part.name)
+        text = f"stopped by SIGTERM during step {part.preempt_at}, checkpoint at epoch {ckpt['epoch']}, step {ckpt['step']}"
+        if (ckpt["epoch"], ckpt["step"]) != (0, part.preempt_at + 1) or "received SIGTERM" not in log:
+            problems.append(f"expected a checkpoint at epoch 0, step {part.preempt_at + 1} and 'received SIGTERM'")
+    elif part.name == "dino_resumed":
+        resumed, whole = records(out / part.name)[-1]["loss"], records(out / "dino")[-1]["loss"]
+        text = f"second epoch's loss {resumed:.6g}, uninterrupted {whole:.6g} (relative difference {abs(resumed / whole - 1):.1e})"
+        if "at epoch 0, step" not in log or not abs(resumed / whole - 1) <= 0.02:
+            problems.append("not resumed mid-epoch, or the loss is more than 2% off")
+    elif part.name == "dino_fp16":
+        ckpt = checkpoint(out, part.name)
+        scale, loss = ckpt["scaler"]["scale"], records(out / part.name)[-1]["loss"]
+        text = f"grad scaler scale {scale:g} ({round(math.log2(65536 / scale))} overflow(s) in {FORMS[form]['steps']} steps), loss {loss:.4g}"
+        if not math.isfinite(loss) or "precision: the checkpoint was trained in" not in log and "(auto)" not in log:
+            problems.append("a non-finite loss, or no line about the grad scaler the checkpoint lacked")
+    elif part.name == "eval_knn":
+        text = ([line for line in log.splitlines() if "-NN classifier result" in line] or ["no k-NN result"])[-1]
+        problems += [text] * (text == "no k-NN result")
+    elif part.name == "eval_linear":
+        logged = records(out / "eval_linear")
+        text = f"{len(logged)} epochs, best top-1 {logged[-1]['best_top1']:.1f}%" if logged else "no log"
+    elif part.name.endswith("_two_processes"):
+        one = part.name.replace("two_processes", "one_process")
+        gap = compare_runs(checkpoint(out, one), checkpoint(out, part.name), part.script)
+        losses = [records(out / name)[-1]["loss"] for name in (one, part.name)]
+        text = (f"apart by {', '.join(f'{k} {v:.1e}' for k, v in gap.items())} of the distance moved; loss "
+                f"{losses[0]:.6g} (one) / {losses[1]:.6g} (two)")
+        if not max(gap.values()) <= 0.01:
+            problems.append("one process and two ended more than 1% of the distance moved apart")
+    return not problems, "; ".join([text, *problems]) + f" [{seconds:.0f} s]"
+
+
+# ======== main ====================================================================================
+def count_gpus():
+    """torch.cuda.device_count() asked in a child: this process must not start CUDA before forking."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(min(torch.cuda.device_count(), 99))
+        finally:
+            os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser("gpu_check.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="cuda: the GPU form (paper size, NCCL); cpu: the reduced form (tiny models, gloo); auto: cuda "
+                        "when a GPU is visible")
+    p.add_argument("--out", default="runs/gpu_check", help="a new or empty folder: every part's output and log")
+    p.add_argument("--parts", nargs="+", help="run only these parts (with the parts they need)")
+    p.add_argument("--timeout", default=300, type=common.POSITIVE_INT, help="seconds a part may take")
+    return p
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    gpus = 0 if args.device == "cpu" else count_gpus()
+    if args.device == "cuda" and not gpus:
+        common.die("--device cuda: no GPU is visible")
+    form, out = "gpu" if gpus else "cpu", Path(args.out)
+    if out.is_dir() and any(out.iterdir()):
+        common.die(f"--out {out} is not empty: remove it or choose another folder")
+    common.make_folder(out, "--out")
+    parts = plan(form, gpus, out)
+    if args.parts:
+        unknown = sorted(set(args.parts) - {p.name for p in parts})
+        if unknown:
+            common.die(f"--parts {' '.join(unknown)}: no such part here; choose among {' '.join(p.name for p in parts)}")
+        parts = [p for p in parts if p.name in args.parts or any(p.name in q.needs for q in parts if q.name in args.parts)]
+    check_commands(parts)
+    print(f"gpu_check: the {form} form, {f'{gpus} GPU(s)' if gpus else 'CPU'}, torch {torch.__version__}, {len(parts)} "
+          f"parts; logs in {out}", flush=True)
+    results, start = {}, time.time()
+    try:
+        for part in parts:
+            missing = [n for n in part.needs if n not in results or results[n][2] or any(results[n][0])]
+            if missing:
+                print(f"{part.name}: skipped ({', '.join(missing)} failed)", flush=True)
+                continue
+            sys.stdout.flush()
+            results[part.name] = launch(part, out, args.timeout)
+            print(f"{part.name}: exit status {results[part.name][0]} in {results[part.name][1]:.0f} s", flush=True)
+    except KeyboardInterrupt:
+        end(_running)
+        raise SystemExit(130) from None
+    steps, failed = {}, []
+    print(f"\n{'part':23} {'exit':5} {'result':7} details")
+    for part in parts:
+        if part.name not in results:
+            ok, text, codes = False, "skipped: a part it needs failed", "-"
+        else:
+            try:
+                ok, text = evaluate(part, results[part.name], out, form, steps)
+            except (OSError, KeyError, ValueError, IndexError) as e:    # a file the part should have written
+                ok, text = False, f"its output is incomplete: {type(e).__name__}: {e}"
+            codes = ",".join(map(str, results[part.name][0]))
+        failed += [] if ok else [part.name]
+        print(f"{part.name:23} {codes:5} {'ok' if ok else 'FAILED':7} {text}")
+    print(f"\n{len(parts) - len(failed)} of {len(parts)} parts passed in {(time.time() - start) / 60:.1f} min"
+          + (f"; failed: {' '.join(failed)} (docs/FIRST_GPU_RUN.md says what to do)" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
