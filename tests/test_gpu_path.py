@@ -306,7 +306,7 @@ def test_dino_head_computes_in_float32_under_bf16():
 
 
 def test_teacher_distribution_of_a_bf16_backbone_and_head_within_tolerance():
-    """The tolerance docs/FIRST_GPU_RUN.md states, on a vit_pico + 4096-way head, random images,
+    """The tolerance docs/PERFORMANCE.md states, on a vit_pico + 4096-way head, random images,
     teacher temperature 0.04: max |P_bf16 - P_fp32| <= 1e-4 and mean KL(P_fp32 || P_bf16) <= 2e-4
     (measured: 6e-6 and 1.4e-5; the authors' fp16 gives 2e-6 and 1e-6)."""
     torch.manual_seed(0)
