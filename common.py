@@ -458,6 +458,13 @@ class SeededDataset(torch.utils.data.Dataset):
 
     def __init__(self, base, transform, seed=0, batched=False):
         self.base, self.transform, self.seed, self.epoch, self.batched = base, transform, seed, 0, batched
+        sizes = set()     # --batched_crops: an image folder's sizes, from the headers, before any loader worker starts
+        for path, _ in getattr(getattr(base, "dataset", base), "samples", ()) if batched else ():   # (--holdout)
+            with contextlib.suppress(OSError, ValueError), Image.open(path) as image:    # unreadable: refused later
+                sizes.add(image.size[::-1])
+            if len(sizes) > 1:
+                die(f"--batched_crops needs images of one size; {Path(path).parents[1]} has sizes {sorted(sizes)}: "
+                    f"drop the flag")
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -702,7 +709,9 @@ def load_image(path):
 class ImageFolderSafe(tv_datasets.ImageFolder):
     """ImageFolder with `load_image`. With `skip_bad_images` an unreadable file is replaced by the next
     readable one and counted (`skipped`, shared with loader workers); with `substitute = False`
-    (evaluation) the caller drops the sample, whose neighbour's label would bias an accuracy."""
+    (evaluation) it comes as a blank image labelled SKIPPED, which the caller leaves out: a
+    neighbour's image and label would bias an accuracy."""
+    SKIPPED = -1
 
     def __init__(self, root, skip_bad_images=False):
         refuse_revisited_folders(root)
@@ -718,11 +727,11 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
             except BadImageError as e:
                 if not self.skip_bad_images:
                     raise BadImageError(f"{e} (pass --skip_bad_images to skip unreadable files)") from None
-                if not self.substitute:
-                    raise
                 with self.skipped.get_lock():
                     self.skipped.value += 1
                 print(f"warning: skipping {e}", file=sys.stderr)
+                if not self.substitute:
+                    return Image.new("RGB", (1, 1)), self.SKIPPED
         raise BadImageError(f"no readable image in {self.root}")
 
 
@@ -883,6 +892,8 @@ def build_eval_splits(args):
     """(train, test) splits, the test labels numbered by the train split's class names: ImageFolder
     numbers each split on its own, so a val/ with fewer classes would get shifted labels."""
     train, test = build_dataset(args, train=True), build_dataset(args, train=False)
+    if isinstance(getattr(test, "dataset", test), ImageFolderSafe):     # (a --holdout Subset's own folder)
+        getattr(test, "dataset", test).substitute = False               # evaluated: unreadable images left out
     train_classes, test_classes = getattr(train, "classes", None), getattr(test, "classes", None)
     if train_classes is None or test_classes is None or list(train_classes) == list(test_classes):
         return train, test
@@ -1185,6 +1196,9 @@ def check_crop_sizes(args):
         if size % stride:
             die(f"{flag} {size} is not a multiple of the {args.arch} token stride ({stride} px); "
                 f"use e.g. {max(stride, size // stride * stride)}")
+    if sizes.get("--local_crop_size", 0) > args.global_crop_size:
+        die(f"--local_crop_size {args.local_crop_size} is larger than --global_crop_size {args.global_crop_size}: "
+            f"the local crops are the small views; swap them, or give local crops <= {args.global_crop_size} px")
 
 
 def check_scale_range(flag, scale):
@@ -1202,6 +1216,8 @@ def checkpoint_to_resume(args, method):
         if written_by != method:
             die(f"{path} was written by {f'{written_by}.py' if written_by else 'another program'}, not {method}.py: "
                 f"give {method}.py its own --output_dir (default runs/{method})")
+    args.world_size = get_world_size()      # recorded: with --batch_size_per_gpu, the total batch and so the peak lr
+    if ckpt is not None:
         check_resumed_args(ckpt, args, path)
     if is_main_process():
         remove_stale_temporaries(args.output_dir)
@@ -1210,18 +1226,26 @@ def checkpoint_to_resume(args, method):
 
 def check_resumed_args(ckpt, args, path):
     """Refuse, in one line naming each, changed arguments that change what is trained."""
-    old, new = (json.loads(json.dumps(a, default=str)) for a in (ckpt.get("args", {}), vars(args)))  # tuples as lists
-    changed = [k for k in sorted(old.keys() & new.keys()) if k not in RUN_ONLY_ARGS and k != "epochs" and old[k] != new[k]]
+    old, done, step = ckpt.get("args", {}), ckpt.get("epoch", 0), ckpt.get("step", 0)
+    changed = changed_args(old, args)
     if changed and not args.allow_changed_args:
-        die(f"{path} was trained with other arguments: "
-            + ", ".join(f"--{k} {old[k]} (now {new[k]})" for k in changed)
-            + "; run with the checkpoint's values, another --output_dir, or --allow_changed_args")
+        die(f"{path} was trained with other arguments: {', '.join(changed)}; run with the checkpoint's values, another "
+            f"--output_dir, or --allow_changed_args")
     if changed:
         log(f"warning: resuming with changed arguments (--allow_changed_args): {', '.join(changed)}")
-    if ckpt.get("epoch", 0) > args.epochs:
-        die(f"{path} has already trained {ckpt['epoch']} epochs, more than --epochs {args.epochs}")
+    if done + bool(step) > args.epochs:
+        die(f"{path} has already trained {done} epochs{f' and {step} steps' if step else ''}, more than "
+            f"--epochs {args.epochs}")
     if "epochs" in old and old["epochs"] != args.epochs:
         log(f"--epochs changed from {old['epochs']} to {args.epochs}: the schedules follow the new length")
+
+
+def changed_args(recorded, args, ignored=RUN_ONLY_ARGS | {"epochs"}):
+    """Each argument that differs from the `recorded` ones, as `--k old (now new)` (the processes as processes)."""
+    old, new = (json.loads(json.dumps(a, default=str)) for a in (recorded, vars(args)))  # tuples as lists
+    return [f"{old[k]} process{'es' * (old[k] != 1)} (now {new[k]}: another total batch, and peak lr)"
+            if k == "world_size" else f"--{k} {old[k]} (now {new[k]})"
+            for k in sorted(old.keys() & new.keys()) if k not in ignored and old[k] != new[k]]
 
 
 def dataset_record(dataset):
@@ -1362,22 +1386,20 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer")   # gloo: 
 
 def run_script(main, parser, argv=None):
     """Every script's entry point: run `main(args)` with every way out in one line (an unreadable image,
-    Ctrl-C, a stopped peer process), also written to torchrun's error file; then release --output_dir
-    and shut the process group down (gloo's threads can abort a process left to exit with it)."""
+    Ctrl-C, a killed loader worker, a stopped peer process), also written to torchrun's error file; then
+    release --output_dir and shut the process group down (gloo's threads can abort a process left to exit)."""
     atexit.register(end_loader_workers)   # after multiprocessing's exit handler, so it runs before it
+    args = parser.parse_args(argv)
     try:
-        main(parser.parse_args(argv))
+        main(args)
     except BadImageError as e:
         message = "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
         report_to_torchrun(message)
         raise SystemExit(message) from None
-    except KeyboardInterrupt:                 # where the run's last checkpoint is, if it wrote one
+    except KeyboardInterrupt:
         close_progress_bars()
-        path = _output_lock and _output_lock["checkpoint"] and Path(_output_lock["dir"]) / _output_lock["checkpoint"]
-        message = ("interrupted (Ctrl-C)" if not path else f"interrupted (Ctrl-C) before the first checkpoint ({path}) "
-                   f"was written" if not path.exists() else f"interrupted (Ctrl-C): the last checkpoint is {path} "
-                   f"(written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(path.stat().st_mtime))}); "
-                   f"run the same command again to resume")
+        where = last_checkpoint()
+        message = f"interrupted (Ctrl-C){where}" + ("; run the same command again to resume" if ": " in where else "")
         report_to_torchrun(message)
         print(message, file=sys.stderr, flush=True)
         raise SystemExit(130) from None    # 128 + SIGINT, the shell's code for Ctrl-C
@@ -1386,17 +1408,35 @@ def run_script(main, parser, argv=None):
             report_to_torchrun(e.code)
         raise
     except RuntimeError as e:
-        if not (is_dist() and any(s in str(e) for s in PEER_LOST)):
+        lines, where = str(e).splitlines(), last_checkpoint()
+        worker = next((line.split("DataLoader worker ", 1)[1].split(". ")[0].strip(" .") for line in lines
+                       if "DataLoader worker (pid" in line), "")
+        peer = next((line for line in lines if any(s in line for s in PEER_LOST)), "") if is_dist() else ""
+        if worker:      # the steps since the last checkpoint are lost
+            message = (f"error: a data loader worker {worker} (most likely the kernel's out-of-memory killer; its own "
+                       f"error, if any, is above){where}; run the same command with fewer --num_workers (now "
+                       f"{getattr(args, 'num_workers', '?')}){' to resume' if ': ' in where else ''}")
+        elif peer:
+            message = (f"error: process {get_rank()} stops because another process of this run has stopped (its error "
+                       f"is above); torch: {peer.split('] ', 1)[-1].split('. ')[0].strip()}")
+        else:
             raise
-        reason = next(line for line in str(e).splitlines() if any(s in line for s in PEER_LOST))
-        message = (f"error: process {get_rank()} stops because another process of this run has stopped (its error "
-                   f"is above); torch: {reason.split('] ', 1)[-1].split('. ')[0].strip()}")
+        close_progress_bars()
         report_to_torchrun(message)
         raise SystemExit(message) from None
     finally:
         release_output_dir()
     if is_dist():
         dist.destroy_process_group()
+
+
+def last_checkpoint():
+    """Where an interrupted run's checkpoint is: '' for a script without one, else since when it exists."""
+    path = _output_lock and _output_lock["checkpoint"] and Path(_output_lock["dir"]) / _output_lock["checkpoint"]
+    if not path or not path.exists():
+        return f" before the first checkpoint ({path}) was written" if path else ""
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+    return f": the last checkpoint is {path} (written {written})"
 
 
 def report_to_torchrun(message):

@@ -386,12 +386,9 @@ def check_args(args):
 
 
 def count_classes(dataset):
-    classes = getattr(dataset, "classes", None)
-    if classes:
-        return len(classes)
     labels = getattr(dataset, "targets", None)
     labels = getattr(dataset, "labels", None) if labels is None else labels
-    return int(np.max(labels)) + 1
+    return len(dataset.classes) if getattr(dataset, "classes", None) else int(np.max(labels)) + 1
 
 
 def first(dataset, n, flag):
@@ -407,7 +404,9 @@ def load_pretrained(backbone, path):
     """Backbone weights from a timm, an official Swin / DeiT, or this repository's checkpoint;
     classifier and DRLoc keys are dropped (fine-tuning starts new ones)."""
     state = common.load_checkpoint(path)
-    state = state.get("model", state)
+    state = state.get("model", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        common.die(f"--pretrained {path} holds a {type(state).__name__}, not a network's weights (a state dict)")
     if any(k.startswith("backbone.") for k in state):     # this file's checkpoint.pth
         state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
     family = swin_transformer if isinstance(backbone, common.Swin) else vision_transformer
@@ -473,21 +472,26 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
 
 @torch.no_grad()
 def validate(model, loader, device, args):
-    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how many images
-    they count: each once (the padding with which the sampler evens out the processes is left out)."""
+    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how many images they
+    count: each once (the padding with which the sampler evens out the processes is left out), the
+    unreadable ones (--skip_bad_images: labelled SKIPPED) left out and counted."""
     model.eval()
-    counts = torch.zeros(3, device=device)              # correct@1, correct@5, images
+    counts = torch.zeros(4, device=device)              # correct@1, correct@5, images, unreadable images
     distinct = loader.sampler.distinct_samples()        # this process's rows that are not padding
     for images, labels in common.progress(loader, desc="validation"):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with common.autocast(device, args.precision):
             logits = model(images)["logits"]
         top = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None])[:max(distinct, 0)]
+        read = (labels != common.ImageFolderSafe.SKIPPED)[:max(distinct, 0)]   # (its row is never correct)
         distinct -= len(labels)
-        counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), torch.tensor(len(top), device=device)])
-    counts = common.all_reduce_sum(counts)
-    return {"val_acc1": 100 * counts[0].item() / counts[2].item(), "val_acc5": 100 * counts[1].item() / counts[2].item(),
-            "val_images": int(counts[2].item())}
+        counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), read.sum(), (~read).sum()])
+    correct1, correct5, n, unreadable = common.all_reduce_sum(counts).tolist()
+    if not n:                                           # an accuracy over no image is none
+        common.die(f"none of the {int(unreadable)} validation images could be read (--skip_bad_images left them all "
+                   f"out): there is no accuracy to report")
+    return {"val_acc1": 100 * correct1 / n, "val_acc5": 100 * correct5 / n, "val_images": int(n),
+            "val_skipped_images": int(unreadable)}
 
 
 # ================================================================================================
@@ -501,6 +505,8 @@ def main(args):
     check_args(args)
     common.claim_output_dir(args.output_dir)           # refused while another run uses it
     ckpt = common.checkpoint_to_resume(args, "drloc")  # or None: a fresh start
+    if ckpt is None and args.pretrained and not Path(args.pretrained).is_file():     # before any data or model work
+        common.die(f"--pretrained {args.pretrained} is not a file")
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's augmentation depends only on (seed, epoch, index)
@@ -522,7 +528,7 @@ def main(args):
 
     # ---- model: backbone + classifier + DRLoc head(s)
     model = build_model(args, num_classes).to(device)
-    if args.pretrained:
+    if args.pretrained and ckpt is None:               # (a resumed run restores its own weights)
         load_pretrained(model.backbone, args.pretrained)
     common.log(f"model: {args.arch} + {len(model.drloc)} DRLoc head(s), "
                f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
@@ -552,6 +558,9 @@ def main(args):
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
     common.save_args(args)                              # every start-up check passed
+    if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
+        common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
+        save_all(model, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch, start_step,

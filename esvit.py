@@ -314,6 +314,8 @@ def main(args):
     common.check_crop_sizes(args)
     common.claim_output_dir(args.output_dir)           # refused while another run uses it
     ckpt = common.checkpoint_to_resume(args, "esvit")  # or None: a fresh start
+    if ckpt is None and args.init_from and not Path(args.init_from).is_file():     # before any data or model work
+        common.die(f"--init_from {args.init_from} is not a file")
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -364,6 +366,9 @@ def main(args):
         start_epoch, start_step = init_from_view_only(args.init_from, student, teacher, criterion, args)
 
     common.save_args(args)                              # every start-up check passed
+    if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
+        common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
+        save_all(student, teacher, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
@@ -385,6 +390,8 @@ def init_from_view_only(path, student, teacher, criterion, args):
     region head (absent from it) and the region centre keep their fresh initialisation; the
     optimizer starts anew. Returns (epoch, step) to continue from."""
     ckpt = common.load_checkpoint(path)
+    if not isinstance(ckpt, dict) or ckpt.get("method") not in ("esvit", "dino"):
+        common.die(f"--init_from {path} is not a checkpoint.pth of esvit.py or dino.py")
     fresh = []
     for name, module in (("student", common.unwrap(student)), ("teacher", teacher)):
         if name not in ckpt:

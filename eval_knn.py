@@ -33,14 +33,12 @@ Where this file differs from the authors' eval_knn.py:
 import argparse
 import math
 import re
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image
 from timm.layers import Mlp
 from timm.models.cait import ClassAttn
 
@@ -86,11 +84,11 @@ def add_eval_run_args(parser):
     return g
 
 
-def check_eval_crop(crop, arch, patch_size):
+def check_eval_crop(crop, arch, patch_size, flag="--crop"):
     """Evaluation crops: a ViT needs whole patches (a common.Swin pads its token maps, which DRLoc's
     small-image runs rely on)."""
     if common.ARCHS[arch]["family"] == "vit" and crop % patch_size:
-        common.die(f"--crop {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
+        common.die(f"{flag} {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
             f"use e.g. {max(patch_size, crop // patch_size * patch_size)}")
 
 
@@ -190,7 +188,7 @@ def plain_state_shape(state, window_size, crop):
 
 
 def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=16, window_size=7,
-                  random_init=False, crop=224):
+                  random_init=False, crop=224, crop_flag="--crop"):
     """A frozen network in eval mode whose `model(x)` is the global feature [B, D], and a dict
     describing it (method, arch, patch_size, window_size).
 
@@ -200,7 +198,8 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
     image size and windows from the weights' tables: `plain_state_shape`), or
     a released EsViT / GLSD checkpoint (`checkpoint_key` entry with wrapper prefixes and the official
     common.Swin layout). With `random_init` the weights are not loaded (the architecture still comes from
-    `path`, if any). SelfPatch's network is a `PooledViT`: its image token, not a CLS token.
+    `path`, if any). SelfPatch's network is a `PooledViT`: its image token, not a CLS token. `crop`
+    (the script's `crop_flag`) must be tiled by a ViT's patches.
     """
     ckpt = None
     if path:
@@ -217,10 +216,18 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
         state = ckpt[checkpoint_key]
     elif full or (isinstance(ckpt, dict) and {"teacher", "student"} & set(ckpt)):
         common.die(f"--checkpoint_key {checkpoint_key!r} is not in {path}; it has: {', '.join(map(str, ckpt))}")
-    if full:
-        record = recorded_backbone(ckpt)
-    else:
-        check_eval_crop(crop, arch, patch_size)     # the evaluation's own message, before building at `crop`
+    if not random_init and state is not None and not (isinstance(state, dict)
+                                                      and all(torch.is_tensor(v) for v in state.values())):
+        kind = type(state).__name__
+        kind = f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
+        if state is not ckpt:
+            common.die(f"--checkpoint_key {checkpoint_key} picks {kind} in {path}, not a network's weights; choose "
+                       f"teacher or student")
+        common.die(f"--pretrained_weights {path} holds {kind}, not a network's weights (a state dict): give a "
+                   f"checkpoint.pth, a teacher_backbone.pth or released backbone weights")
+    record = recorded_backbone(ckpt) if full else dict(arch=arch, patch_size=patch_size)
+    check_eval_crop(crop, record["arch"], record["patch_size"], crop_flag)      # before building at `crop`
+    if not full:
         window_size, img_size = plain_state_shape(state, window_size, crop)
         record = dict(arch=arch, patch_size=patch_size, window_size=window_size, img_size=img_size)
     build = {k: v for k, v in record.items() if k != "image_token"}
@@ -255,7 +262,7 @@ def dense_backbone(model):
     return model.backbone if isinstance(model, PooledViT) else model
 
 
-SKIPPED = -1  # the label of an unreadable image's row in evaluation
+SKIPPED = common.ImageFolderSafe.SKIPPED  # the label of an unreadable image's row in evaluation
 
 
 class IndexedDataset(torch.utils.data.Dataset):
@@ -265,20 +272,14 @@ class IndexedDataset(torch.utils.data.Dataset):
 
     def __init__(self, base, transform):
         self.base, self.transform = base, transform
-        if isinstance(base, common.ImageFolderSafe):
-            base.substitute = False
+        if isinstance(getattr(base, "dataset", base), common.ImageFolderSafe):     # (a --holdout Subset's folder)
+            getattr(base, "dataset", base).substitute = False
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, index):
-        try:
-            image, label = self.base[index]
-        except common.BadImageError as e:
-            if not getattr(self.base, "skip_bad_images", False):
-                raise
-            print(f"warning: skipping {e}", file=sys.stderr)
-            return self.transform(Image.new("RGB", (1, 1))), SKIPPED, index
+        image, label = self.base[index]
         return self.transform(image), label, index
 
 
@@ -402,26 +403,54 @@ def check_dump_folder(folder):
                    f"(or delete them)")
 
 
+def load_features(folder):
+    """What --dump_features wrote into `folder`: train and test features [N, D] and labels [N], checked."""
+    if not all((Path(folder) / name).is_file() for name in FEATURE_FILES):
+        common.die(f"--load_features {folder} must hold {', '.join(FEATURE_FILES)} (written by --dump_features)")
+    loaded = []
+    for name in FEATURE_FILES:
+        try:
+            loaded.append(torch.load(Path(folder) / name, map_location="cpu", weights_only=True))
+        except Exception as e:  # empty, truncated, not written by torch
+            common.die(f"--load_features {Path(folder) / name} cannot be read ({(Path(folder) / name).stat().st_size} "
+                       f"bytes): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; write the "
+                       f"features again with --dump_features")
+    train_features, train_labels, test_features, test_labels = loaded
+    fit = (all(torch.is_tensor(t) for t in loaded) and train_features.ndim == test_features.ndim == 2
+           and train_labels.ndim == test_labels.ndim == 1 and train_features.shape[1] == test_features.shape[1]
+           and len(train_features) == len(train_labels) and len(test_features) == len(test_labels))
+    if not fit:
+        shapes = [list(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in loaded]
+        common.die(f"--load_features {folder}: the files do not fit together: train features {shapes[0]}, labels "
+                   f"{shapes[1]}; test features {shapes[2]}, labels {shapes[3]} (features [N, D] and N labels per "
+                   f"split, one D); write them again with --dump_features")
+    return loaded
+
+
+def check_nb_knn(nb_knn, n_train):
+    if max(nb_knn) > n_train:
+        common.die(f"--nb_knn {max(nb_knn)} is more than the {n_train} train images; "
+                   f"pass smaller values, e.g. --nb_knn {min(20, n_train)}")
+
+
 def main(args):
     """Returns {k: (top1, top5)} on the main process, None on the others."""
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.load_features:
-        folder = Path(args.load_features)
-        if not all((folder / name).is_file() for name in FEATURE_FILES):
-            common.die(f"--load_features {folder} must hold {', '.join(FEATURE_FILES)} (written by --dump_features)")
-        train_features, train_labels, test_features, test_labels = (
-            torch.load(folder / name, map_location="cpu", weights_only=True) for name in FEATURE_FILES)
+        train_features, train_labels, test_features, test_labels = load_features(args.load_features)
+        images = {"train": 0, "test": 0}                  # (not known: the features are all there is)
     else:
         if args.dump_features:      # checked before the features are extracted, not after
             check_dump_folder(args.dump_features)
         model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
                                            args.patch_size, args.window_size, args.random_init, args.crop)
-        check_eval_crop(args.crop, info["arch"], info["patch_size"])
         model.to(device)
         transform = common.eval_transform(args.resize, args.crop)
         train_set, test_set = common.build_eval_splits(args)    # test labels numbered as train's classes
+        images = {"train": len(train_set), "test": len(test_set)}
         common.log(f"data: {len(train_set)} train and {len(test_set)} test images")
+        check_nb_knn(args.nb_knn, len(train_set))                 # before the features are extracted
         train_features, train_labels = extract_features(model, train_set, transform, args, device)
         test_features, test_labels = extract_features(model, test_set, transform, args, device)
         if args.dump_features and common.is_main_process():
@@ -432,10 +461,14 @@ def main(args):
         dist.barrier()       # as the authors: every process ends after rank 0's k-NN (not a group torn down under it)
         return None
 
+    for split, labels in (("train", train_labels), ("test", test_labels)):     # an accuracy over no image is none
+        if not len(labels) and images[split]:
+            common.die(f"none of the {images[split]} {split} images could be read (--skip_bad_images left them all "
+                       f"out): there is no k-NN result")
+        if not len(labels):
+            common.die(f"--load_features {args.load_features} holds no {split} features: there is no k-NN result")
     common.log(f"k-NN over {len(train_labels)} train and {len(test_labels)} test images")
-    if max(args.nb_knn) > len(train_labels):
-        common.die(f"--nb_knn {max(args.nb_knn)} is more than the {len(train_labels)} train images; "
-                   f"pass smaller values, e.g. --nb_knn {min(20, len(train_labels))}")
+    check_nb_knn(args.nb_knn, len(train_labels))
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     results = {}
     for k in args.nb_knn:

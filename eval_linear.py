@@ -239,6 +239,9 @@ def validate(model, classifier, loader, n_images, num_labels, args, device):
         rows, index = eval_knn.all_gather_rows(rows, index)
         per_image[index] = rows  # the distributed sampler's padding rows repeat real images
     kept = per_image[:, 3] > 0
+    if not kept.any():               # an accuracy over no image is none (not 0%, not NaN)
+        common.die(f"none of the {n_images} validation images could be read (--skip_bad_images left them all out): "
+                   f"there is no accuracy to report")
     loss, top1, top5 = per_image[kept, :3].mean(dim=0).tolist()
     return {"val_loss": loss, "val_top1": 100 * top1, **({"val_top5": 100 * top5} if num_labels >= 5 else {}),
             "val_images": int(kept.sum()), "val_skipped_images": int((~kept).sum())}
@@ -270,6 +273,21 @@ def check_same_weights(ckpt, identity, ckpt_path):
         common.die(f"{ckpt_path} holds a linear probe trained on other weights ({old['weights'] or 'random init'} "
                    f"[{old['checkpoint_key']}]), not {identity['weights'] or 'random init'} "
                    f"[{identity['checkpoint_key']}]: refusing to resume it; use another --output_dir or delete it")
+
+
+# What a resumed probe may change: where and how it runs; the weights are checked by `check_same_weights`.
+NOT_TRAINED_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_images", "val_freq", "epochs",
+                    "pretrained_weights", "arch", "patch_size", "window_size"}
+
+
+def check_same_setup(ckpt, args, ckpt_path):
+    """A probe resumed with other arguments would report a best top-1 of two setups: refused, naming each."""
+    changed = common.changed_args(ckpt.get("args", {}), args, NOT_TRAINED_ARGS)
+    if changed:
+        common.die(f"{ckpt_path} holds a probe trained with other arguments: {', '.join(changed)}; run with its values, "
+                   f"or use another --output_dir")
+    if ckpt["epoch"] > args.epochs:
+        common.die(f"{ckpt_path} has already trained {ckpt['epoch']} epochs, more than --epochs {args.epochs}")
 
 
 def count_labels(dataset, args):
@@ -317,13 +335,13 @@ def main(args):
     """Returns the best validation top-1 (%)."""
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
+    args.world_size = common.get_world_size()        # recorded: with --batch_size_per_gpu, the total batch and lr
     check_own_folder(args)
     common.claim_output_dir(args.output_dir, checkpoint="linear_checkpoint.pth")   # refused while another run uses it
 
     # ---- frozen backbone; the linear probe's input size from one dry run
     model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
                                        args.window_size, args.random_init, args.crop)
-    eval_knn.check_eval_crop(args.crop, info["arch"], info["patch_size"])
     identity = weights_identity(model, args)
 
     # ---- a probe to resume from output_dir/linear_checkpoint.pth: refused before any data work if it is another's
@@ -334,6 +352,7 @@ def main(args):
         if ckpt.get("args", {}).get("precomputed_features", False) != args.precomputed_features:
             common.die(f"{ckpt_path} holds a probe trained with --precomputed_features "
                        f"{str(not args.precomputed_features).lower()}: resume it with that setting, or use another --output_dir")
+        check_same_setup(ckpt, args, ckpt_path)
     model.to(device)
     check_feature_args(model, args)
     with torch.no_grad():
@@ -342,6 +361,13 @@ def main(args):
     # ---- data: augmentations depend only on (seed, epoch, index)
     train_set, val_set = common.build_eval_splits(args)    # val labels numbered as train's classes
     num_labels = count_labels(train_set, args)
+    data = {"train": common.dataset_record(train_set), "validation": common.dataset_record(val_set)}
+    for split in data if ckpt is not None and "data" in ckpt else ():   # (probes written before the record: unchecked)
+        old, new = ckpt["data"][split]["images"], data[split]["images"]
+        if ckpt["data"][split] != data[split]:
+            change = f"{old} images, now {new}" if old != new else f"{new} images as now, but other files or labels"
+            common.die(f"{ckpt_path} was trained on another {split} split ({change}): refusing to resume it; resume "
+                       f"with the same data, or use another --output_dir")
     if args.precomputed_features:                        # the backbone's one pass over the train split
         features, labels, unreadable = extract_features(model, train_set, args, device)
         cached = CachedFeatures(features, labels, args.batch_size_per_gpu, args.seed)
@@ -363,10 +389,10 @@ def main(args):
     lr_schedule = common.cosine_scheduler(args.lr * total_batch / 256, 0, args.epochs, 1)  # one value per epoch
 
     # ---- resume
-    start_epoch, best_top1 = 0, 0.0
+    start_epoch, best_top1, validated = 0, 0.0, {}
     if ckpt is not None:
         common.restore(ckpt, linear=classifier, optimizer=optimizer)
-        start_epoch, best_top1 = ckpt["epoch"], ckpt["best_top1"]
+        start_epoch, best_top1, validated = ckpt["epoch"], ckpt["best_top1"], ckpt.get("validated", {})
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far {best_top1:.2f}%)")
 
     common.save_args(args)                              # every start-up check passed
@@ -381,15 +407,18 @@ def main(args):
         if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
             record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
             best_top1 = max(best_top1, record["val_top1"])
+            validated = {k: record[k] for k in ("val_images", "val_skipped_images")}
         skipped = unreadable if args.precomputed_features else common.skipped_images_all_ranks(train_data, device)
         record.update(epoch=epoch, best_top1=best_top1, skipped_images=skipped)
         if common.is_main_process():
             common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(), "optimizer": optimizer.state_dict(),
-                                    "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args), "backbone": {**info, **identity}},
-                                   ckpt_path)
+                                    "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args),
+                                    "backbone": {**info, **identity}, "data": data, "validated": validated}, ckpt_path)
         common.append_log(args.output_dir, record)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-    common.log(f"linear probe: best top-1 {best_top1:.2f}% on {len(val_set)} validation images")
+    skipped = validated.get("val_skipped_images", 0)
+    common.log(f"linear probe: best top-1 {best_top1:.2f}% on {validated.get('val_images', len(val_set))} validation "
+               f"images" + (f" ({skipped} unreadable, left out)" if skipped else ""))
     return best_top1
 
 

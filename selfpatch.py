@@ -476,6 +476,9 @@ def main(args):
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
     common.save_args(args)                              # every start-up check passed
+    if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
+        common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
+        save_all(student, teacher, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,

@@ -109,31 +109,31 @@ def get_args_parser():
                    help="--precision of the rows (auto: what training picks here, as the header says; bf16 on a "
                         "CPU without native bf16 is emulated, many times slower: --precisions fp32 skips it)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=common.POSITIVE_INT, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=common.COUNT, default=0)
     g = p.add_argument_group("model, crops and data of the rows (default: from --preset)")
     g.add_argument("--arch", choices=list(common.ARCHS))
-    g.add_argument("--patch_size", type=int, help="ViT patch size")
-    g.add_argument("--window_size", type=int, default=7, help="Swin window size")
-    g.add_argument("--global_crop_size", type=int, help="pixels (DRLoc's --input_size too)")
-    g.add_argument("--local_crop_size", type=int, help="pixels")
-    g.add_argument("--local_crops_number", type=int)
-    g.add_argument("--batch_size", type=int, help="images per step")
-    g.add_argument("--out_dim", type=int, help="K of every DINO head")
-    g.add_argument("--patch_out_dim", type=int, help="K_p of SelfPatch's patch head")
-    g.add_argument("--head_hidden_dim", type=int)
-    g.add_argument("--head_bottleneck_dim", type=int)
-    g.add_argument("--num_workers", type=int, help="loader workers")
+    g.add_argument("--patch_size", type=common.POSITIVE_INT, help="ViT patch size")
+    g.add_argument("--window_size", type=common.POSITIVE_INT, default=7, help="Swin window size")
+    g.add_argument("--global_crop_size", type=common.POSITIVE_INT, help="pixels (DRLoc's --input_size too)")
+    g.add_argument("--local_crop_size", type=common.POSITIVE_INT, help="pixels")
+    g.add_argument("--local_crops_number", type=common.COUNT)
+    g.add_argument("--batch_size", type=common.POSITIVE_INT, help="images per step")
+    g.add_argument("--out_dim", type=common.POSITIVE_INT, help="K of every DINO head")
+    g.add_argument("--patch_out_dim", type=common.POSITIVE_INT, help="K_p of SelfPatch's patch head")
+    g.add_argument("--head_hidden_dim", type=common.POSITIVE_INT)
+    g.add_argument("--head_bottleneck_dim", type=common.POSITIVE_INT)
+    g.add_argument("--num_workers", type=common.COUNT, help="loader workers")
     g.add_argument("--batched_crops", default="false", choices=["true", "false"],
                    help="--batched_crops of the self-distillation methods (DRLoc has none)")
-    g.add_argument("--warmup", type=int, default=2, help="steps not counted first (at least 1)")
-    g.add_argument("--steps", type=int, default=5, help="counted steps")
+    g.add_argument("--warmup", type=common.POSITIVE_INT, default=2, help="steps not counted first (at least 1)")
+    g.add_argument("--steps", type=common.POSITIVE_INT, default=5, help="counted steps")
     g = p.add_argument_group("the quick start side by side (instead of the rows)")
     g.add_argument("--recipe", choices=["quickstart"], help="time the README quick start, PIL crops vs batched crops")
-    g.add_argument("--recipe_workers", nargs="+", type=int, default=[2],
+    g.add_argument("--recipe_workers", nargs="+", type=common.COUNT, default=[2],
                    help="loader workers of the PIL configurations (one configuration each)")
-    g.add_argument("--recipe_rounds", type=int, default=3, help="interleaved rounds per configuration")
-    g.add_argument("--recipe_steps", type=int, default=8, help="counted steps per round")
+    g.add_argument("--recipe_rounds", type=common.POSITIVE_INT, default=3, help="interleaved rounds per configuration")
+    g.add_argument("--recipe_steps", type=common.POSITIVE_INT, default=8, help="counted steps per round")
     g.add_argument("--recipe_flags", default="", help="flags appended to every configuration's dino.py flags")
     return p
 
@@ -143,8 +143,6 @@ def parse_args(argv=None):
     parser.set_defaults(**PRESETS[parser.parse_known_args(argv)[0].preset])
     args = parser.parse_args(argv)
     args.methods = list(dict.fromkeys(args.methods))
-    if args.warmup < 1 or args.steps < 1 or args.recipe_rounds < 1 or args.recipe_steps < 1:
-        sys.exit("error: --warmup, --steps, --recipe_rounds and --recipe_steps must be at least 1")
     return args
 
 

@@ -110,7 +110,8 @@ class PairViews:
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """(view 1, view 2, geometry 1, geometry 2, index); pair i depends only on (seed, i)."""
+    """(view 1, view 2, geometry 1, geometry 2, index, readable); pair i depends only on (seed, i). An
+    unreadable image (--skip_bad_images, evaluated: labelled SKIPPED) gives a pair that is not scored."""
 
     def __init__(self, base, views, seed=0):
         self.seeded = common.SeededDataset(base, views, seed)
@@ -119,8 +120,8 @@ class PairDataset(torch.utils.data.Dataset):
         return len(self.seeded)
 
     def __getitem__(self, index):
-        (v1, v2, g1, g2), _label = self.seeded[index]
-        return v1, v2, g1, g2, index
+        (v1, v2, g1, g2), label = self.seeded[index]
+        return v1, v2, g1, g2, index, label != eval_knn.SKIPPED
 
 
 def ground_truth(geometry1, geometry2, grid1, grid2):
@@ -183,6 +184,9 @@ def add_correspondence_sums(sums, metrics):
 
 def correspondence_means(sums):
     pairs = int(sums[-1].item())
+    if not pairs:                              # a metric over no pair is none (not 0%)
+        common.die("no pair has a token whose match is known (the overlap protocol scores tokens inside both views "
+                   "only): there are no correspondence metrics; use more images or larger --crops_scale")
     return {**{k: (sums[i] / max(pairs, 1)).item() for i, k in enumerate(CORRESPONDENCE_METRICS)}, "pairs": pairs}
 
 PROTOCOLS = CORRESPONDENCE_PROTOCOLS
@@ -200,18 +204,19 @@ def get_args_parser():
     g.add_argument("--protocols", default=list(PROTOCOLS), nargs="+", choices=PROTOCOLS,
                    help="esvit (centre crop vs its flipped, jittered copy), glsd (one random crop seen "
                         "twice), overlap (two random crops, scored inside their overlap)")
-    g.add_argument("--crop_size", default=224, type=int,
+    g.add_argument("--crop_size", default=224, type=common.POSITIVE_INT,
                    help="side of both views in pixels; a multiple of the token stride (ViT patch; 32 for Swin-T, 8 for swin_pico3)")
-    g.add_argument("--crops_scale", default=(0.4, 1.0), type=float, nargs=2,
+    g.add_argument("--crops_scale", default=(0.4, 1.0), type=common.AREA_FRACTION, nargs=2,
                    help="area range of the random crops of the glsd and overlap protocols (DINO's global crops)")
     g.add_argument("--photometric", default=True, type=common.bool_flag,
                    help="colour jitter and random grayscale on the augmented views (false: geometry only)")
     g.add_argument("--split", default="test", choices=["train", "test"], help="which split's images to pair")
-    g.add_argument("--max_images", default=0, type=int, help="use the first N images of the split (0 = all)")
+    g.add_argument("--max_images", default=0, type=common.COUNT, help="use the first N images of the split (0 = all)")
     g.add_argument("--save_pictures", default=None, type=str,
                    help="write the top-10 matches of the first --num_pictures pairs of every protocol as PNGs here")
-    g.add_argument("--num_pictures", default=8, type=int, help="pairs drawn per protocol with --save_pictures")
-    common.add_data_args(p).add_argument("--batch_size_per_gpu", default=64, type=int, help="pairs per process")
+    g.add_argument("--num_pictures", default=8, type=common.COUNT, help="pairs drawn per protocol with --save_pictures")
+    common.add_data_args(p).add_argument("--batch_size_per_gpu", default=64, type=common.POSITIVE_INT,
+                                         help="pairs per process")
     eval_knn.add_eval_run_args(p)
     return p
 
@@ -235,12 +240,13 @@ def evaluate(backbone, pairs, batch_size, num_workers, device, picture_dir=None,
     loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, num_workers=num_workers,
                                          pin_memory=device.type == "cuda")
     sums = torch.zeros(len(CORRESPONDENCE_METRICS) + 1, dtype=torch.float64, device=device)
-    for v1, v2, g1, g2, index in common.progress(loader, desc=name):
+    for v1, v2, g1, g2, index, readable in common.progress(loader, desc=name):
         v1, v2 = v1.to(device, non_blocking=True), v2.to(device, non_blocking=True)
         prediction, score, target, valid, grid2 = match_pairs(backbone, v1, v2, g1, g2)
+        valid &= readable.to(valid.device)[:, None]              # an unreadable image's pair is not scored
         add_correspondence_sums(sums, pair_metrics(prediction, score, target, valid, grid2))
         if picture_dir and num_pictures:
-            for b in (index < num_pictures).nonzero().flatten().tolist():
+            for b in ((index < num_pictures) & readable).nonzero().flatten().tolist():
                 visualize.save_top_matches(Path(picture_dir) / f"{name}_{int(index[b]):04d}.png", v1[b], v2[b],
                                            prediction[b], score[b], target[b], valid[b], grid2)
     return correspondence_means(common.all_reduce_sum(sums))
@@ -257,13 +263,15 @@ def main(args):
     if args.save_pictures:         # before any work: a file of that name is one line, not a late traceback
         common.make_folder(args.save_pictures, "--save_pictures")
     model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                       args.window_size, args.random_init, args.crop_size)
+                                       args.window_size, args.random_init, args.crop_size, "--crop_size")
     backbone = eval_knn.dense_backbone(model).to(device)
     stride = common.token_stride(info["arch"], info["patch_size"])
     if args.crop_size % stride:
         common.die(f"--crop_size {args.crop_size} is not a multiple of the {info['arch']} token stride ({stride} px); "
                    f"use e.g. {max(stride, args.crop_size // stride * stride)}")
     images = common.build_dataset(args, train=args.split == "train")
+    if isinstance(getattr(images, "dataset", images), common.ImageFolderSafe):     # (a --holdout Subset's folder)
+        getattr(images, "dataset", images).substitute = False     # unreadable: left out, not its neighbour twice
     if args.max_images:
         images = torch.utils.data.Subset(images, range(min(args.max_images, len(images))))
     common.log(f"data: {len(images)} {args.split} images, {args.crop_size} px views, "
@@ -275,8 +283,9 @@ def main(args):
         results[protocol] = evaluate(backbone, pairs, args.batch_size_per_gpu, args.num_workers, device,
                                      args.save_pictures, args.num_pictures, name=protocol)
         common.log(format_metrics(protocol, results[protocol]))
-    if args.save_pictures:
-        common.log(f"pictures of the top-10 matches in {args.save_pictures}")
+    if args.save_pictures and args.num_pictures:
+        common.log(f"pictures of the top-10 matches of the first {min(args.num_pictures, len(images))} pairs of "
+                   f"each protocol in {args.save_pictures}")
     return results
 
 

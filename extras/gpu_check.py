@@ -404,7 +404,8 @@ def evaluate(part, result, out, form, steps):
         ckpt = checkpoint(out, part.name)
         scale, loss = ckpt["scaler"]["scale"], records(out / part.name)[-1]["loss"]
         text = f"grad scaler scale {scale:g} ({round(math.log2(65536 / scale))} overflow(s) in {FORMS[form]['steps']} steps), loss {loss:.4g}"
-        if not math.isfinite(loss) or "precision: the checkpoint was trained in" not in log and "(auto)" not in log:
+        trained = json.loads((out / "dino" / "args.json").read_text())["precision"]    # fp16 already: no line
+        if not math.isfinite(loss) or trained != "fp16" and "precision: the checkpoint was trained in" not in log:
             problems.append("a non-finite loss, or no line about the grad scaler the checkpoint lacked")
     elif part.name == "eval_knn":
         text = ([line for line in log.splitlines() if "-NN classifier result" in line] or ["no k-NN result"])[-1]
@@ -472,8 +473,7 @@ def main(argv=None):
             if missing:
                 print(f"{part.name}: skipped ({', '.join(missing)} failed)", flush=True)
                 continue
-            sys.stdout.flush()
-            results[part.name] = launch(part, out, args.timeout)
+            results[part.name] = launch(part, out, args.timeout)   # (every print above flushed: nothing to fork twice)
             print(f"{part.name}: exit status {results[part.name][0]} in {results[part.name][1]:.0f} s", flush=True)
     except KeyboardInterrupt:
         end(_running)

@@ -92,10 +92,10 @@ def heads(in_dim, out_dim, batch, seed=0):
 
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out_dim", type=int, default=65536)
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--in_dim", type=int, default=384, help="backbone width (ViT-S: 384)")
-    p.add_argument("--images", type=int, default=8, help="also a randomly initialised backbone + head on this many "
+    p.add_argument("--out_dim", type=common.POSITIVE_INT, default=65536)
+    p.add_argument("--batch", type=common.POSITIVE_INT, default=128)
+    p.add_argument("--in_dim", type=common.POSITIVE_INT, default=384, help="backbone width (ViT-S: 384)")
+    p.add_argument("--images", type=common.COUNT, default=8, help="also a randomly initialised backbone + head on this many "
                                                          "random 224 px images, the backbone under the same autocast "
                                                          "(0 = skip)")
     p.add_argument("--arch", default="vit_small", choices=list(common.ARCHS))

@@ -102,15 +102,21 @@ def main(args):
                    f"pass --teacher_temp")
     backbone, _ = eval_knn.load_backbone(args.pretrained_weights, "teacher", crop=args.crop)
     dataset = common.build_dataset(args, train=False)
+    if isinstance(getattr(dataset, "dataset", dataset), common.ImageFolderSafe):     # (a --holdout Subset's folder)
+        getattr(dataset, "dataset", dataset).substitute = False    # unreadable: left out, no neighbour counted twice
     transform = common.eval_transform(args.resize, args.crop)
-    n = min(args.max_images, len(dataset))
-    logits = []
+    n, logits = min(args.max_images, len(dataset)), []
     for start in range(0, n, args.batch_size_per_gpu):
-        images = torch.stack([transform(dataset[i][0]) for i in range(start, min(start + args.batch_size_per_gpu, n))])
-        logits.append(head(backbone(images)))
-    h, h_bar, used = head_statistics(torch.cat(logits), center, temperature)
-    k = center.shape[-1]
-    common.log(f"{ckpt['method']} teacher at temperature {temperature:g}, {n} images, K = {k} (ln K = {math.log(k):.2f}):")
+        batch = [dataset[i] for i in range(start, min(start + args.batch_size_per_gpu, n))]
+        images = [transform(image) for image, label in batch if label != eval_knn.SKIPPED]
+        logits += [head(backbone(torch.stack(images)))] if images else []
+    if not logits:                                  # statistics over no image are none
+        common.die(f"none of the first {n} images could be read (--skip_bad_images left them all out): no statistics")
+    logits, k = torch.cat(logits), center.shape[-1]
+    h, h_bar, used = head_statistics(logits, center, temperature)
+    left_out = f" ({n - len(logits)} unreadable, left out)" if n > len(logits) else ""
+    common.log(f"{ckpt['method']} teacher at temperature {temperature:g}, {len(logits)} images{left_out}, K = {k} "
+               f"(ln K = {math.log(k):.2f}):")
     common.log(f"per-image entropy {h:.2f} | entropy of the mean target {h_bar:.2f} | arg-max outputs {used} of {k}")
     return h, h_bar, used
 

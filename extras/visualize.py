@@ -338,16 +338,16 @@ def get_args_parser():
         common.add_data_args(c)
         g = c.add_argument_group("picture")
         g.add_argument("--output", default=f"{name}.png", type=str, help="PNG file to write")
-        g.add_argument("--picture_size", default=96 if name == "crops" else 224, type=int,
+        g.add_argument("--picture_size", default=96 if name == "crops" else 224, type=common.POSITIVE_INT,
                        help="side of every drawn view in pixels")
-        g.add_argument("--seed", default=0, type=int, help="seeds the crops (as training's --seed) and --random_init")
+        g.add_argument("--seed", default=0, type=common.COUNT, help="seeds the crops (as training's --seed) and --random_init")
         g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
         if name == "crops":
             common.add_multicrop_args(c)
         elif name == "attention":
-            g.add_argument("--image_size", default=224, type=int,
+            g.add_argument("--image_size", default=224, type=common.POSITIVE_INT,
                            help="the image is resized and centre-cropped to this (a multiple of the patch)")
-            g.add_argument("--threshold", default=0.6, type=float, help="fraction of attention mass kept in the masks")
+            g.add_argument("--threshold", default=0.6, type=common.FRACTION, help="fraction of attention mass kept in the masks")
         else:
             common.add_multicrop_args(c)
             g.add_argument("--student_crop", default=1, type=int,
@@ -361,10 +361,18 @@ def load_image(args):
     dataset = common.build_dataset(args, train=args.split == "train")
     if not 0 <= args.index < len(dataset):
         common.die(f"--index {args.index} is outside the {len(dataset)} images of the {args.split} split")
-    return dataset[args.index][0]
+    folder, index = getattr(dataset, "dataset", dataset), getattr(dataset, "indices", range(len(dataset)))[args.index]
+    if not hasattr(folder, "samples"):                # a named dataset's images are in memory
+        return dataset[args.index][0]
+    try:             # the file itself: with --skip_bad_images the dataset would draw its neighbour instead
+        return common.load_image(folder.samples[index][0])
+    except common.BadImageError as e:
+        common.die(f"image --index {args.index} of the {args.split} split: {e}; choose another --index")
 
 
 def main(args):
+    if Path(args.output).is_dir():          # before any work: one line, not a traceback once the picture is drawn
+        common.die(f"--output {args.output} is a folder; name the PNG file to write (e.g. {args.picture}.png in it)")
     if args.picture == "curves":
         series = curve_series(read_json_lines(args.log), args.data, args.phase, args.variant)
         if not series:
@@ -385,7 +393,8 @@ def main(args):
     image = load_image(args)
     def load(key):
         return eval_knn.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
-                                    args.random_init, getattr(args, "image_size", None) or args.global_crop_size)
+                                    args.random_init, getattr(args, "image_size", None) or args.global_crop_size,
+                                    "--image_size" if args.picture == "attention" else "--global_crop_size")
 
     model, info = load(args.checkpoint_key)
     backbone = eval_knn.dense_backbone(model).to(device)
