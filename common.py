@@ -104,32 +104,27 @@ class ViT(VisionTransformer):
         return self.pos_drop(x + pos)
 
     def forward_dense(self, x, norm=True):
-        """(global [B, D] or None, grid [B, h, w, D]). Global = CLS token; None without a CLS token.
-        norm=False returns the last block's output before the final LayerNorm."""
+        """(CLS token [B, D] or None, grid [B, h, w, D]); norm=False: before the final LayerNorm."""
         h, w = x.shape[-2] // self.patch_embed.patch_size[0], x.shape[-1] // self.patch_embed.patch_size[1]
         tokens = self.blocks(self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x)))))
-        if norm:
-            tokens = self.norm(tokens)
+        tokens = self.norm(tokens) if norm else tokens
         cls = tokens[:, 0] if self.cls_token is not None else None
         return cls, tokens[:, self.num_prefix_tokens:].reshape(x.shape[0], h, w, -1)
 
 
 class Swin(SwinTransformer):
-    """timm's SwinTransformer; global feature = mean of the final-norm tokens (EsViT's pooling). On
-    maps the window does not tile (96 px) timm shifts before padding, EsViT's Swin after."""
+    """timm's SwinTransformer; global feature = mean of the final-norm tokens (EsViT's pooling)."""
 
     def forward_dense(self, x, norm=True):
         tokens = self.layers(self.patch_embed(x))  # [B, h, w, D]
-        if norm:
-            tokens = self.norm(tokens)
+        tokens = self.norm(tokens) if norm else tokens
         return tokens.mean(dim=(1, 2)), tokens
 
 
 def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_size=224,
                    class_token=True, final_norm=True, layer_norm_eps=1e-6, **overrides):
-    """A ViT or Swin from `ARCHS` built for `img_size` (the global crop; other sizes interpolate).
-    window_size: an int or one per Swin stage; `overrides` replace `ARCHS` entries. The arguments
-    are kept in `build_config`, which checkpoints record (`backbone_record`)."""
+    """A ViT or Swin from `ARCHS` built for `img_size` (the global crop); `overrides` replace `ARCHS`
+    entries. The arguments are kept in `build_config`, which checkpoints record (`backbone_record`)."""
     config = dict(arch=arch, patch_size=patch_size, window_size=window_size, img_size=img_size,
                   class_token=class_token, final_norm=final_norm, layer_norm_eps=layer_norm_eps, **overrides)
     if arch not in ARCHS:
@@ -158,8 +153,7 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
 
 
 def backbone_record(backbone, image_token="backbone"):
-    """A checkpoint's "backbone" entry, from which evaluation rebuilds the network without the method
-    file: `build_backbone`'s arguments and the image token's source, "backbone" or "ca_head"."""
+    """A checkpoint's "backbone" entry: `build_backbone`'s arguments and the image token's source."""
     return {**backbone.build_config, "image_token": image_token}
 
 
@@ -169,27 +163,17 @@ def token_stride(arch, patch_size=16):
     return patch_size if cfg["family"] == "vit" else cfg.get("patch_size", 4) * 2 ** (len(cfg["depths"]) - 1)
 
 
-def stage_grids(arch, patch_size, crop_size):
-    """Side of the token grid at every stage for a square crop (one entry for a ViT)."""
-    cfg = ARCHS[arch]
-    if cfg["family"] == "vit":
-        return [crop_size // patch_size]
-    grids = [crop_size // cfg.get("patch_size", 4)]
-    for _ in cfg["depths"][1:]:
-        grids.append((grids[-1] + 1) // 2)   # timm's patch merging pads an odd grid
-    return grids
-
-
 def fitted_windows(arch, patch_size, window_size, crop_sizes):
-    """Per Swin stage, the largest window <= window_size that tiles every crop's grid: padded tokens
-    take part in attention (window 7 at 64 px: 92% of the last stage's attention is padding)."""
-    return tuple(max(w for w in range(1, window_size + 1) if all(g % w == 0 for g in grids))
-                 for grids in zip(*(stage_grids(arch, patch_size, size) for size in crop_sizes)))
+    """Per Swin stage, the largest window <= window_size tiling every crop's grid (padding is attended)."""
+    grids = [[size // ARCHS[arch].get("patch_size", 4)] for size in crop_sizes]      # per crop, per stage
+    for stage_grids in grids:
+        for _ in ARCHS[arch]["depths"][1:]:
+            stage_grids.append((stage_grids[-1] + 1) // 2)                            # timm pads an odd grid
+    return tuple(max(w for w in range(1, window_size + 1) if all(g % w == 0 for g in stage)) for stage in zip(*grids))
 
 
 def backbone_from_args(args, drop_path_rate, **kwargs):
-    """The backbone a training run's arguments describe, built for the global crop size; with
-    `--fit_window` Swin's windows tile every crop's grid."""
+    """The backbone a training run's arguments describe (built for the global crop; `--fit_window`)."""
     window = getattr(args, "window_size", 7)
     global_size = getattr(args, "global_crop_size", None) or getattr(args, "input_size", None) or 224
     if getattr(args, "fit_window", False) and ARCHS[args.arch]["family"] == "swin":
@@ -205,27 +189,22 @@ def resolution_groups(crops):
 
 
 def forward_multicrop(fn, crops):
-    """Apply `fn` once per run of equal-resolution crops, to their concatenation (crop-major rows:
-    [crop s batch, crop s+1 batch, ...]), as DINO's MultiCropWrapper does. One output per run."""
+    """`fn` of each run of equal-resolution crops, concatenated crop-major (DINO's MultiCropWrapper)."""
     return [fn(torch.cat(crops[s:e])) for s, e in resolution_groups(crops)]
 
 
 def other_crop_pairs(ncrops):
-    """Flat indices of the pairs s != t in a [2, ncrops] matrix (teacher crop t, student crop s): the
-    mask ~eye(2, ncrops) with a size known to the host (a boolean mask would wait for the GPU)."""
+    """Flat indices of the pairs s != t in [2, ncrops] (teacher t, student s): a boolean mask would sync."""
     return torch.tensor([t * ncrops + s for t in range(2) for s in range(ncrops) if s != t])
 
 
 # ======== A2. The DINO head =======================================================================
 class WeightNormLinear(nn.Module):
-    """Bias-free Linear, weight = g * v / ||v|| per row, stored as the authors' `nn.utils.weight_norm`
-    stores it (`weight_g`, `weight_v`), in a plain module that survives `deepcopy`."""
+    """Bias-free Linear, weight = g v / ||v|| per row, with `nn.utils.weight_norm`'s keys (the authors')."""
 
     def __init__(self, in_dim, out_dim):
         super().__init__()
-        v = torch.empty(out_dim, in_dim)
-        nn.init.kaiming_uniform_(v, a=math.sqrt(5))  # nn.Linear's default init, as in DINO
-        self.weight_v = nn.Parameter(v)
+        self.weight_v = nn.Parameter(nn.init.kaiming_uniform_(torch.empty(out_dim, in_dim), a=math.sqrt(5)))  # as nn.Linear
         self.weight_g = nn.Parameter(torch.ones(out_dim, 1))
 
     def forward(self, x):
@@ -233,9 +212,8 @@ class WeightNormLinear(nn.Module):
 
 
 class DINOHead(nn.Module):
-    """MLP (GELU) -> l2-normalise -> weight-normalised Linear(bottleneck, K), its gain frozen at 1 with
-    `norm_last_layer`. Under bf16 it computes in float32: the teacher temperature multiplies logit
-    errors by 25, and a 65,536-way bf16 head moved them by up to 0.06 (fp16: 0.008; extras/head_precision.py)."""
+    """MLP -> l2-normalise -> weight-normalised Linear(bottleneck, K). Under bf16 it computes in float32: the teacher
+    temperature scales logit errors by 25 (a 65,536-way bf16 head: up to 0.06; extras/head_precision.py)."""
 
     def __init__(self, in_dim, out_dim, use_bn=False, norm_last_layer=True, nlayers=3,
                  hidden_dim=2048, bottleneck_dim=256):
@@ -245,15 +223,12 @@ class DINOHead(nn.Module):
             layers += [nn.Linear(a, b)] + ([nn.BatchNorm1d(b)] if use_bn else []) + [nn.GELU()]
         layers.append(nn.Linear(dims[-1], bottleneck_dim))
         self.mlp = layers[0] if len(layers) == 1 else nn.Sequential(*layers)     # the authors' key names
-        self.apply(self._init_weights)
+        for m in self.mlp.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
         self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
         self.last_layer.weight_g.requires_grad = not norm_last_layer
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, nn.Linear):
-            nn.init.trunc_normal_(m.weight, std=0.02)
-            nn.init.zeros_(m.bias)
 
     def forward(self, x):
         device = x.device.type
@@ -278,14 +253,12 @@ class RandomGaussianBlur:
         return None if torch.rand(1).item() >= self.p else self.sigma[0] + (self.sigma[1] - self.sigma[0]) * torch.rand(1).item()
 
     def __call__(self, img):
-        radius = self.draw()
-        return img if radius is None else img.filter(ImageFilter.GaussianBlur(radius=radius))
+        return img if (radius := self.draw()) is None else img.filter(ImageFilter.GaussianBlur(radius=radius))
 
 
 class MultiCropAugmentation:
-    """DINO's multi-crop: 2 global and N local crops, each with its geometry {"box": [x0, y0, w, h] in
-    fractions of the image, "flip", "image_size": [W, H]}. The blur radius (DINO: 0.1-2 px at 224 px)
-    scales with global_crop_size / 224. All draws come from torch's RNG (`SeededDataset` seeds it)."""
+    """DINO's multi-crop: 2 global and N local crops with their geometry {"box": [x0, y0, w, h] (fractions),
+    "flip", "image_size": [W, H]}; the blur radius scales with global_crop_size / 224; torch's RNG only."""
 
     def __init__(self, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4),
                  local_crops_number=8, global_crop_size=224, local_crop_size=96,
@@ -326,9 +299,8 @@ class MultiCropAugmentation:
         return crops, geometry
 
     def batch(self, images, seeds):
-        """`--batched_crops`: the crops of same-size images [B, 3, H, W] (uint8), collated, with the PIL
-        path's draws for the same per-sample seeds and torchvision's tensor operations (an exact
-        Gaussian for PIL's box blur): pixels within a level of 255 of PIL's on average."""
+        """`--batched_crops`: same-size images [B, 3, H, W] (uint8) cropped with the PIL path's draws per seed and
+        torchvision's tensor operations (an exact Gaussian for PIL's box blur), collated."""
         batch, _, height, width = images.shape
         params = []
         for seed in seeds:
@@ -380,8 +352,7 @@ def grayscale(x):
 
 
 def shift_hue(x, shift):
-    """Hue rotated by `shift` (a fraction of the circle, per sample) through HSV, as torchvision's
-    adjust_hue; grey pixels are left as they are."""
+    """torchvision's adjust_hue per sample: hue rotated by `shift` (a fraction of the circle) in HSV."""
     maxc, minc = x.amax(1, keepdim=True), x.amin(1, keepdim=True)
     chroma = maxc - minc
     rc, gc, bc = ((maxc - x) / torch.where(chroma > 0, chroma, 1.0)).unbind(1)
@@ -393,8 +364,7 @@ def shift_hue(x, shift):
 
 
 def adjust_color(x, op, f):
-    """torchvision's brightness (op 0), contrast (1), saturation (2) or hue (3) adjustment with the
-    factors f [N, 1, 1, 1]; the blends truncated to whole levels, as PIL's are."""
+    """torchvision's brightness, contrast, saturation or hue (op 0-3) by f [N, 1, 1, 1]; blends truncated as PIL's."""
     if op == 3:
         return shift_hue(x, f)
     degenerate = 0.0 if op == 0 else grayscale(x).mean((1, 2, 3), keepdim=True) if op == 1 else grayscale(x)
@@ -402,8 +372,7 @@ def adjust_color(x, op, f):
 
 
 def color_jitter(x, jitters):
-    """torchvision's ColorJitter per sample: brightness, contrast, saturation and hue in that sample's
-    order with its factors (None: unchanged)."""
+    """torchvision's ColorJitter per sample, in each sample's order with its factors (None: unchanged)."""
     apply = torch.tensor([j is not None for j in jitters])
     order = torch.tensor([j[0] if j is not None else [0, 1, 2, 3] for j in jitters])          # [N, 4]
     factors = torch.tensor([j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters])  # [N, 4]
@@ -416,8 +385,7 @@ def color_jitter(x, jitters):
 
 
 def gaussian_blur(x, sigmas):
-    """A Gaussian blur of standard deviation sigma per sample (None: unchanged), edges repeated, as
-    [N, size, size] matrices applied to both axes."""
+    """Gaussian blur per sample (None: none) as [N, size, size] matrices: one matmul, not a call per image."""
     blurred = [i for i, s in enumerate(sigmas) if s is not None]
     if not blurred:
         return x
@@ -434,8 +402,7 @@ def gaussian_blur(x, sigmas):
 
 
 def grid_centers(geometry, grid_size):
-    """Centre of every cell of an (h, w) grid over each crop (one crop's collated geometry), in image
-    pixels: [B, h*w, 2] as (x, y), row-major as the model sees the (maybe mirrored) crop."""
+    """Centre of each cell of an (h, w) grid over each (maybe mirrored) crop, as image pixels [B, h*w, 2] (x, y)."""
     (h, w), box, flip = grid_size, geometry["box"].float(), geometry["flip"].bool()
     img_w, img_h = geometry["image_size"].float().unbind(-1)
     cols = (torch.arange(w, device=box.device) + 0.5) / w                      # [w]
@@ -452,19 +419,18 @@ def sample_seed(*keys):
 
 
 class SeededDataset(torch.utils.data.Dataset):
-    """`transform(base[index])` under a seed of (seed, epoch, index) only: not of workers, processes or
-    resumption. `make_loader` asks for `dataset[(index, epoch)]` (persistent workers never see a later
-    `set_epoch`)."""
+    """`transform(base[index])` under a seed of (seed, epoch, index) only, whatever the workers, processes or
+    resumption; `make_loader` asks for `dataset[(index, epoch)]` (persistent workers miss `set_epoch`)."""
 
     def __init__(self, base, transform, seed=0, batched=False):
         self.base, self.transform, self.seed, self.epoch, self.batched = base, transform, seed, 0, batched
-        sizes = set()     # --batched_crops: an image folder's sizes, from the headers, before any loader worker starts
-        for path, _ in getattr(getattr(base, "dataset", base), "samples", ()) if batched else ():   # (--holdout)
+        samples, sizes = getattr(getattr(base, "dataset", base), "samples", []) if batched else [], set()   # (--holdout)
+        for path, _ in samples[::max(1, len(samples) // 1000)]:   # before any loader worker: 1000 headers at most
             with contextlib.suppress(OSError, ValueError), Image.open(path) as image:    # unreadable: refused later
                 sizes.add(image.size[::-1])
-            if len(sizes) > 1:
-                die(f"--batched_crops needs images of one size; {Path(path).parents[1]} has sizes {sorted(sizes)}: "
-                    f"drop the flag")
+        if len(sizes) > 1:
+            die(f"--batched_crops needs images of one size; {base.root if hasattr(base, 'root') else 'the folder'} has "
+                f"sizes {sorted(sizes)}: drop the flag")
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -528,22 +494,17 @@ def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
 
 # ======== A4. The training step: schedules, optimiser details, EMA, mixed precision, collectives ====
 def cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epochs=0, start_warmup_value=0):
-    """One value per iteration: linear warmup from `start_warmup_value` (endpoint `base_value`
-    included) over `warmup_epochs`, then `final + 0.5 (base - final)(1 + cos(pi i / T))`."""
+    """Per iteration: a linear warmup to `base_value`, then `final + 0.5 (base - final)(1 + cos(pi i / T))`."""
     if warmup_epochs > epochs:
         die(f"--warmup_epochs {warmup_epochs} is longer than --epochs {epochs}; lower it")
     warmup_iters = int(warmup_epochs * niter_per_ep)
-    warmup = np.linspace(start_warmup_value, base_value, warmup_iters)
     iters = np.arange(epochs * niter_per_ep - warmup_iters)
     schedule = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * iters / len(iters)))
-    schedule = np.concatenate((warmup, schedule))
-    assert len(schedule) == epochs * niter_per_ep
-    return schedule
+    return np.concatenate((np.linspace(start_warmup_value, base_value, warmup_iters), schedule))
 
 
 def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epochs, nepochs, niter_per_ep=1):
-    """Teacher temperature per iteration: linear to `teacher_temp`, then constant; whole warm-up epochs
-    ramp per epoch (the authors' linspace(..)[epoch]), a fractional warm-up per step."""
+    """Teacher temperature per iteration, linear then constant (whole warm-up epochs ramp per epoch, as the authors')."""
     if float(warmup_epochs).is_integer():
         warmup = np.repeat(np.linspace(warmup_teacher_temp, teacher_temp, int(warmup_epochs)), niter_per_ep)
     else:
@@ -553,8 +514,7 @@ def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epoch
 
 
 def get_params_groups(model, no_decay_names=()):
-    """Two AdamW groups: weights (decayed), and biases, 1-D parameters (norms, gains) and names
-    containing one of `no_decay_names` (not decayed). Frozen parameters are left out."""
+    """AdamW groups: weights (decayed); biases, norms, gains and `no_decay_names` (not); frozen ones left out."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     exempt = [name.endswith(".bias") or p.ndim == 1 or any(n in name for n in no_decay_names) for name, p in trained]
     return [{"params": [p for (_, p), e in zip(trained, exempt) if not e]},
@@ -562,8 +522,7 @@ def get_params_groups(model, no_decay_names=()):
 
 
 def clip_gradients(model, clip):
-    """The authors' per-parameter clipping (each gradient to norm <= clip), without a host sync; returns
-    the norms before clipping."""
+    """The authors' per-parameter clipping (each gradient to norm <= clip), without a host sync."""
     grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(0)
@@ -600,24 +559,12 @@ def make_grad_scaler(device, precision):
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
-def is_dist():
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_rank():
-    return dist.get_rank() if is_dist() else 0
-
-
-def get_world_size():
-    return dist.get_world_size() if is_dist() else 1
-
-
-def is_main_process():
-    return get_rank() == 0
-
-
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model
+# Where this process stands among the others (one process without a process group).
+def is_dist(): return dist.is_available() and dist.is_initialized()
+def get_rank(): return dist.get_rank() if is_dist() else 0
+def get_world_size(): return dist.get_world_size() if is_dist() else 1
+def is_main_process(): return get_rank() == 0
+def unwrap(model): return model.module if hasattr(model, "module") else model     # DDP's wrapper off
 
 
 def all_reduce_sum(t):
@@ -629,9 +576,8 @@ def all_reduce_sum(t):
 
 
 def step_sync(losses, epoch, args, debug_state):
-    """Collective, once per step before the backward: the step's statistics (name -> 0-dim tensor, "loss" first) as
-    floats averaged over the processes, and whether any process got a preemption signal, in one all-reduce and one
-    host read (each read waits for the GPU). A non-finite loss anywhere: rank 0 saves `debug_state()`, all stop."""
+    """Collective, once per step: the statistics averaged over the processes and whether any was preempted, in one
+    all-reduce and one host read; on a non-finite loss anywhere rank 0 saves `debug_state()` and all stop."""
     loss = losses["loss"].detach()
     flags = [(~loss.isfinite()).to(loss.dtype), torch.full_like(loss, preemption_requested(loss.device))]
     *values, nonfinite, preempted = all_reduce_sum(torch.stack([v.detach().to(loss.dtype) for v in losses.values()] + flags)).tolist()
@@ -690,8 +636,7 @@ class BadImageError(RuntimeError):
 
 
 def load_image(path):
-    """Open any image as 8-bit RGB (grayscale, palette, RGBA, 16-bit and float images converted);
-    an unreadable file raises an error that names it."""
+    """Any image as 8-bit RGB (16-bit and float ones rescaled); an unreadable file raises an error naming it."""
     try:
         with Image.open(path) as img:
             img.load()
@@ -707,10 +652,9 @@ def load_image(path):
 
 
 class ImageFolderSafe(tv_datasets.ImageFolder):
-    """ImageFolder with `load_image`. With `skip_bad_images` an unreadable file is replaced by the next
-    readable one and counted (`skipped`, shared with loader workers); with `substitute = False`
-    (evaluation) it comes as a blank image labelled SKIPPED, which the caller leaves out: a
-    neighbour's image and label would bias an accuracy."""
+    """ImageFolder with `load_image`. With `skip_bad_images` an unreadable file is replaced by the next one
+    and counted; in evaluation (`substitute = False`) it comes labelled SKIPPED and is left out (a
+    neighbour's label would bias an accuracy)."""
     SKIPPED = -1
 
     def __init__(self, root, skip_bad_images=False):
@@ -736,8 +680,7 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
 
 
 def refuse_revisited_folders(root):
-    """Refuse a folder whose walk reaches a folder twice: ImageFolder follows `class/up -> ..` again and
-    again (a folder of 16 images was read as 656)."""
+    """Refuse a walk reaching a folder twice: ImageFolder follows `class/up -> ..` (16 images were read as 656)."""
     seen = {}
     for folder, _dirs, _files in os.walk(root, followlinks=True):
         key = (os.stat(folder).st_dev, os.stat(folder).st_ino)
@@ -764,8 +707,7 @@ def read_idx(path):
 
 
 class FashionMNIST(torch.utils.data.Dataset):
-    """Fashion-MNIST from its IDX files (Debian's `dataset-fashion-mnist` installs them in
-    /usr/share/datasets/fashion-mnist); 28x28 grayscale returned as RGB PIL images."""
+    """Fashion-MNIST from its IDX files (Debian's `dataset-fashion-mnist`), as RGB PIL images."""
     DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
 
     def __init__(self, root=None, train=True):
@@ -787,8 +729,8 @@ class FashionMNIST(torch.utils.data.Dataset):
 
 
 class SyntheticShapes(torch.utils.data.Dataset):
-    """Procedural labelled images, a pure function of (seed, split, i): 2 to 4 light copies of the
-    class's shape over dark noise. No colour or image-wide cue: the class is what every crop shares."""
+    """Procedural labelled images, a pure function of (seed, split, i): 2 to 4 light copies of the class's
+    shape over dark noise, so that the class (not colour or an image-wide cue) is what every crop shares."""
     CLASSES = ["disk", "square", "triangle", "diamond", "plus", "cross", "ring", "hbars", "vbars", "checker"]
 
     def __init__(self, num_images=2000, image_size=64, train=True, seed=0):
@@ -842,8 +784,7 @@ DATASETS = ["folder", "synthetic", "fashion_mnist", "cifar10", "cifar100", "svhn
 
 
 def build_dataset(args, train=True):
-    """The train or test split (PIL images, int labels) of --dataset; with --holdout N both come from
-    the train split: all but its last N images, and those N."""
+    """The train or test split of --dataset; with --holdout N, the train split without its last N images, or those."""
     holdout = getattr(args, "holdout", 0)
     if not holdout:
         return named_dataset(args, train)
@@ -889,8 +830,7 @@ def named_dataset(args, train):
 
 
 def build_eval_splits(args):
-    """(train, test) splits, the test labels numbered by the train split's class names: ImageFolder
-    numbers each split on its own, so a val/ with fewer classes would get shifted labels."""
+    """(train, test), the test labels numbered by the train split's class names (a val/ with fewer classes)."""
     train, test = build_dataset(args, train=True), build_dataset(args, train=False)
     if isinstance(getattr(test, "dataset", test), ImageFolderSafe):     # (a --holdout Subset's own folder)
         getattr(test, "dataset", test).substitute = False               # evaluated: unreadable images left out
@@ -915,18 +855,14 @@ def build_eval_splits(args):
 
 # ======== B2. Processes, devices, loaders and preemption signals ==================================
 def init_distributed(device="auto"):
-    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) gives a process group, of one process too (as the authors'
-    code: one GPU takes the NCCL / DDP path); without it, one process. nccl on GPU, gloo on CPU. Returns the device."""
+    """The device; under torchrun (RANK set) a process group, of one process too (NCCL on GPUs, else gloo)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and re.fullmatch(r"cuda:\d+", device):
         die(f"--device {device} would put all {world_size} processes of this torchrun job on one GPU; "
             f"use --device cuda (or auto): each process takes the GPU of its LOCAL_RANK")
-    if device == "auto":
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda":
-        device = f"cuda:{local_rank}"
-    device = torch.device(device)
+    auto = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device({"auto": auto, "cuda": f"cuda:{local_rank}"}.get(device, device))
     if device.type == "cuda":
         if not torch.cuda.is_available():
             die("--device cuda requested but no GPU is visible")
@@ -948,9 +884,8 @@ def all_gather_objects(obj):
 
 
 def choose_precision(device):
-    """What `--precision auto` runs on `device`, and why: bf16 where the GPU (Ampere or newer) or the
-    CPU (AVX512-BF16, AMX-BF16) computes in it natively; on an older GPU fp16 with a grad scaler, as
-    the authors train; else fp32 (emulated bf16 made a ViT-S/16 step ~25x slower on an AVX2 EPYC)."""
+    """What `--precision auto` runs on `device`, and why: native bf16 (GPU or CPU), else on a GPU fp16 with a
+    grad scaler (as the authors train), else fp32 (emulated bf16: a ViT-S/16 step ~25x slower)."""
     if device.type == "cuda":
         try:
             native = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -969,8 +904,7 @@ def choose_precision(device):
 
 
 def resolve_precision(args, device):
-    """Replace `--precision auto` by `choose_precision`'s pick (recorded with `precision_auto`), logged
-    with its reason; an explicit bf16 where `auto` would not pick it runs after one warning."""
+    """`--precision auto` -> `choose_precision`'s pick, logged with its reason (an explicit bf16 it would not pick: a warning)."""
     choice, reason = choose_precision(device)
     args.precision_auto = args.precision == "auto"
     if args.precision_auto:
@@ -988,8 +922,7 @@ def fix_random_seeds(seed):
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler that can start an epoch at a given batch (a mid-epoch resume); with
-    `with_epoch` it yields (index, epoch) pairs, for a `SeededDataset`."""
+    """DistributedSampler starting an epoch at a given batch (a mid-epoch resume); (index, epoch) pairs with `with_epoch`."""
 
     def __init__(self, dataset, batch_size, shuffle, seed, drop_last, with_epoch=False):
         super().__init__(dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=shuffle, seed=seed,
@@ -1008,31 +941,23 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
         return max(super().__len__() - self.start_batch * self.batch_size, 0)
 
     def distinct_samples(self):
-        """How many of this process's samples of an epoch are not padding: without drop_last the
-        sampler repeats indices from the start until every process has as many, and the repeats come
-        last (list positions >= len(dataset); process r takes positions r, r + n, ...)."""
+        """This process's samples of an epoch that are not padding (the repeats come last, at r + k n >= len)."""
         return min(self.num_samples, len(range(self.rank, len(self.dataset), self.num_replicas)))
 
 
 def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
-    """DataLoader whose order is a function of (seed, epoch) only; its own generator keeps the global
-    RNG untouched (resumed runs stay bit-identical); persistent workers."""
+    """DataLoader ordered by (seed, epoch) only; its own generator leaves the global RNG to the run (resumes exact)."""
     if train and len(dataset) < batch_size * get_world_size():
         die(f"the dataset has {len(dataset)} images, fewer than one batch "
             f"({batch_size} per process x {get_world_size()} processes); lower --batch_size_per_gpu")
     sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train,
                                with_epoch=isinstance(dataset, SeededDataset))
     loader = PreemptibleLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                               collate_fn=already_collated if getattr(dataset, "batched", False) else None,
+                               collate_fn=torch.utils.data.default_convert if getattr(dataset, "batched", False) else None,
                                pin_memory=torch.cuda.is_initialized(), drop_last=train,   # a run on a GPU
                                persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
                                worker_init_fn=ignore_preemption_signals)
     return loader, sampler
-
-
-def already_collated(batch):
-    """The collate function of a dataset whose `__getitems__` returns a collated batch."""
-    return batch
 
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -1068,8 +993,7 @@ def install_preemption_handler():
 
 
 def end_loader_workers():
-    """At exit, SIGKILL loader workers still alive: they ignore multiprocessing's SIGTERM, which would
-    wait for them forever (torch's SIGCHLD handler is removed first: no error report)."""
+    """At exit, SIGKILL loader workers still alive: they ignore multiprocessing's SIGTERM, which would wait forever."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         if child.daemon:
@@ -1162,19 +1086,17 @@ def load_state_dict_strict(module, state_dict, what="model"):
 
 
 def restore(checkpoint, **objects):
-    """Load every named object from `checkpoint` (modules strictly). A grad scaler follows this run's
-    precision: a missing scale starts afresh, an unneeded one is dropped."""
+    """Load every named object from `checkpoint` (modules strictly; a grad scaler follows this run's precision)."""
     for name, obj in objects.items():
         if name not in checkpoint:
             die(f"checkpoint has no {name!r} entry (written by another script?)")
         if isinstance(obj, nn.Module):
             load_state_dict_strict(unwrap(obj), checkpoint[name], what=name)
         elif isinstance(obj, torch.amp.GradScaler) and obj.is_enabled() != bool(checkpoint[name]):
-            trained = checkpoint.get("args", {}).get("precision", "?")
-            log(f"precision: the checkpoint was trained in {trained} " + (
-                f"without a grad scaler; this run trains in fp16, whose grad scaler starts at scale {obj.get_scale():g}"
-                if obj.is_enabled() else f"with a grad scaler (scale {checkpoint[name].get('scale', float('nan')):g}); "
-                f"this run needs none and drops it"))
+            log(f"precision: the checkpoint was trained in {checkpoint.get('args', {}).get('precision', '?')} " +
+                (f"without a grad scaler; this run trains in fp16, whose grad scaler starts at scale {obj.get_scale():g}"
+                 if obj.is_enabled() else f"with a grad scaler (scale {checkpoint[name].get('scale', float('nan')):g}); "
+                 f"this run needs none and drops it"))
         else:
             obj.load_state_dict(checkpoint[name])
 
@@ -1249,8 +1171,7 @@ def changed_args(recorded, args, ignored=RUN_ONLY_ARGS | {"epochs"}):
 
 
 def dataset_record(dataset):
-    """What a checkpoint records of its training set: the image count and a fingerprint of the class
-    names, paths and labels (--data_path may change; the data may not)."""
+    """A training set's image count and fingerprint of class names, paths and labels (--data_path may move)."""
     if hasattr(dataset, "data_record"):
         return dataset.data_record
     indices, base = range(len(dataset)), dataset
@@ -1295,9 +1216,9 @@ def make_folder(path, flag):
     """Create the folder that `flag` names (one line where it cannot be); whether it was created."""
     path = Path(path)
     try:
-        if path.exists() and not path.is_dir():
-            die(f"{flag} {path} is a file, not a folder; give a folder name")
         existed = path.is_dir()
+        if path.exists() and not existed:
+            die(f"{flag} {path} is a file, not a folder; give a folder name")
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         die(f"cannot create {flag} {path}: {e.strerror or e}")
@@ -1305,11 +1226,9 @@ def make_folder(path, flag):
 
 
 def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
-    """Collective: make --output_dir this run's own before anything is written to it. Rank 0 holds an
-    exclusive `flock` on its `.lock` (host and pid inside) until it exits: the kernel or the NFS
-    server releases it however the process dies, so a killed run's lock is simply taken over; all
-    processes stop together if the folder is another run's. A filesystem without locks (Lustre
-    without `flock`) gets a warning."""
+    """Collective: make --output_dir this run's own before anything is written. Rank 0 holds a `flock` on
+    its `.lock` until it exits; the kernel (or NFS server) frees it however the process dies, so a killed
+    run's lock is simply taken over. A filesystem without locks (Lustre without `flock`) gets a warning."""
     global _output_lock
     if _output_lock is not None and _output_lock["dir"] != str(output_dir):
         release_output_dir()                # one run per process (main() called again in process)
@@ -1329,8 +1248,7 @@ def claim_output_dir(output_dir, checkpoint="checkpoint.pth"):
 
 
 def take_lock(lock, output_dir):
-    """An open file descriptor holding the exclusive lock on `lock` (None on a filesystem without
-    locks), or stop naming the holder."""
+    """A file descriptor holding the exclusive lock on `lock` (None without file locks), or stop naming the holder."""
     if _output_lock is not None and _output_lock.get("fd") is not None and _output_lock["dir"] == str(output_dir):
         return _output_lock["fd"]                                      # main() run twice in one process
     while True:
@@ -1385,9 +1303,8 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer")   # gloo: 
 
 
 def run_script(main, parser, argv=None):
-    """Every script's entry point: run `main(args)` with every way out in one line (an unreadable image,
-    Ctrl-C, a killed loader worker, a stopped peer process), also written to torchrun's error file; then
-    release --output_dir and shut the process group down (gloo's threads can abort a process left to exit)."""
+    """Every script's entry point: `main(args)` with every way out in one line (also in torchrun's error file),
+    then --output_dir released and the process group shut down (gloo's threads can abort an exiting process)."""
     atexit.register(end_loader_workers)   # after multiprocessing's exit handler, so it runs before it
     args = parser.parse_args(argv)
     try:
@@ -1474,18 +1391,14 @@ def save_args(args):
 
 
 def bool_flag(s):
-    if s.lower() in ("1", "true", "on", "yes"):
-        return True
-    if s.lower() in ("0", "false", "off", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
+    if s.lower() not in ("1", "true", "on", "yes", "0", "false", "off", "no"):
+        raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
+    return s.lower() in ("1", "true", "on", "yes")
 
 
 def ranged(kind, low=None, high=None, low_open=False):
-    """An argparse type: a number of `kind` (int or float) in [low, high] (low excluded with
-    low_open; None = unbounded), so that a value out of range is one line at parse time."""
-    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
-              f"{'inf)' if high is None else f'{high}]'}")
+    """An argparse type: a number of `kind` in [low, high] (low excluded with low_open), else one line."""
+    bounds = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf)' if high is None else f'{high}]'}"
 
     def parse(text):
         try:
