@@ -396,7 +396,7 @@ def records(out):
 @pytest.fixture(scope="module")
 def drloc_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("drloc_full")
-    result = run_drloc(*RUN, "--output_dir", str(out))
+    result = run_drloc_here(*RUN, "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     return out
 

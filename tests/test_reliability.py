@@ -192,7 +192,7 @@ def load(path):
 @pytest.fixture(scope="module")
 def dino_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("dino_full")
-    result = run("dino.py", *DINO_TINY, "--output_dir", str(out))
+    result = run_here("dino.py", *DINO_TINY, "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
