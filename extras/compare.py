@@ -322,8 +322,8 @@ def get_args_parser():
     p.add_argument("--phase", default="val", choices=["val", "test"],
                    help="val: train without the held-out images and evaluate on them; test: the reported numbers")
     p.add_argument("--rows", nargs="+", default=None, choices=ROWS,
-                   help="rows to run, in this order (default: all, unless --table alone; a random-init row needs its "
-                        "backbone's DINO row of the same seed)")
+                   help="rows to run, in this order (default: all, unless --table alone; a random-init row evaluates "
+                        "its source row's network at the first step, without training it)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", default=400, type=int, help="training steps of every row (a multiple of 50)")
     p.add_argument("--curve_every", default=100, type=int, help="keep and evaluate a checkpoint every N steps")

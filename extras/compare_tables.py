@@ -173,7 +173,7 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
     base, found = baselines(records, data, phase), {}
     for row, (backbone, _, _) in METHOD_FLAGS.items():
         dino = {r["seed"]: r for r in chosen if r["row"] == f"{backbone}_dino"}
-        rs = [r for r in chosen if r["row"] == row and r["seed"] in dino]
+        rs = sorted((r for r in chosen if r["row"] == row and r["seed"] in dino), key=lambda r: r["seed"])
         if not rs or row.endswith("_dino"):
             continue
         found[row] = (len(rs), {})
@@ -185,7 +185,8 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
 
 def differences_table(records):
     """What a method adds over DINO on the same backbone, 20-NN and linear probe, seed by seed."""
-    lines = ["| backbone | row | seeds | 20-NN gain | minus DINO's (per seed) | linear gain | minus DINO's (per seed) |",
+    lines = ["| backbone | row | seeds | 20-NN gain | minus DINO's (seed 0, 1, ...) | linear gain | "
+             "minus DINO's (seed 0, 1, ...) |",
              "|---|---|---|---|---|---|---|"]
     for row, (seeds, by_key) in differences(records).items():
         cells = []

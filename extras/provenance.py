@@ -49,7 +49,7 @@ def cpu_model():
 
 def git(*args):
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.rstrip("\n")
     except (OSError, subprocess.TimeoutExpired):
         return ""
 

@@ -116,7 +116,8 @@ def datasets_table(records):
     for r in records:
         if r["phase"] == "test" and not any(r is s for s in shown):
             lines.append(f"\nSuperseded: {r['data']} trained on {r.get('trained_on', r['data'])}, {r['knn_top1']:.2f} "
-                         f"against {r['random_init_knn_top1']:.2f} ({provenance.when(r)}): {r.get('note', '')}")
+                         f"against {r['random_init_knn_top1']:.2f} ({provenance.when(r)}): "
+                         f"{r.get('note') or 'a later line has the same data, trained on and variant'}")
     return "\n".join(lines)
 
 
@@ -126,8 +127,10 @@ def result_line(records):
     if r is None:
         return "No run of the quick start is logged yet."
     machine = r.get("machine")         # lines logged before stamps: a description, no time
-    where = (f"{machine['cpu']}, {machine['threads']} thread(s), {r.get('precision')}, {r['utc']}"
-             if isinstance(machine, dict) else f"{machine or 'machine not logged'}; no timestamp")
+    where = (f"{machine['cpu']}, {machine['cores']} cores, {machine['threads']} thread(s), load average "
+             f"{machine['load_average_start'][0]:g} at the start and {machine['load_average_end'][0]:g} at the end, "
+             f"{r.get('precision')}, {r['utc']}" if isinstance(machine, dict) else
+             f"{machine or 'machine not logged'}; no timestamp")
     return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random initialisation "
             f"({gain(r)}), {r['train_seconds'] / 60:.1f} min of training ({where}).")
 

@@ -63,6 +63,16 @@ SWIN = "--arch swin_pico3 --fit_window true --out_dim 1024 --lr 0.004 --epochs 1
 DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch vit_pico --patch_size 2 --input_size 28 "
          "--batch_size_per_gpu 64 --epochs 5 --warmup_epochs 1 --lr 5e-3 --lambda_warmup_epochs 1 --num_workers 1")
 
+# DRLoc in its paper's regime: supervised training from scratch on a small dataset (the first 5000
+# train images; --phase val: validated on the first 5000 of the held-out 10000), both backbones at
+# 28 px with a 4x4 final grid (swin_pico3: 14 -> 7 -> 4; vit_pico/4: 7x7 pooled to 4x4), lambda = 0.5
+# against 0, DRLOC_EPOCHS epochs (`--variant short`: a third of them)
+DRLOC_EPOCHS = 9
+DRLOC_SMALL = ("--dataset fashion_mnist --train_subset 5000 --val_subset 5000 --input_size 28 --batch_size_per_gpu 64 "
+               f"--lr 5e-3 --epochs {DRLOC_EPOCHS} --warmup_epochs 1 --lambda_warmup_epochs 1 --num_workers 0 "
+               "--saveckp_freq 0")
+DRLOC_ARCHS = {"swin": "--arch swin_pico3 --fit_window true", "vit": "--arch vit_pico --patch_size 4"}
+
 SELFPATCH_EPOCHS1 = (f"{SSL} {VIT} --out_dim 1024 --patch_out_dim 1024 "
                      "--teacher_temp 0.01 --warmup_teacher_temp 0.01")
 
@@ -87,7 +97,10 @@ RUNS = {
     "glsd": ("glsd.py", f"{SSL} {SWIN} --local_matching geometric"),
     "drloc": ("drloc.py", DRLOC),
     "drloc_base": ("drloc.py", f"{DRLOC} --lambda_drloc 0"),
+    **{f"drloc5k_{arch}{suffix}": ("drloc.py", f"{DRLOC_SMALL} {flags}{extra}") for arch, flags in DRLOC_ARCHS.items()
+       for suffix, extra in (("", ""), ("_base", " --lambda_drloc 0"))},
 }
+DRLOC_SHORT = f"--epochs {DRLOC_EPOCHS // 3}"      # --variant short --extra DRLOC_SHORT
 HOLDOUT = 10000
 
 
@@ -214,47 +227,90 @@ def cell(values, digits=1):
 
 
 def table(records, phase):
-    rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points) | train time (min) | "
-            "peak memory (MB) |", "|---|---|---|---|---|---|---|---|"]
+    """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each
+    seed's top-1 minus its own run's random init (the same checkpoint with --random_init), per seed
+    in brackets in seed order; lines logged before stamps existed say "no timestamp"."""
+    rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) | train time (min) | "
+            "peak memory (MB) | logged (UTC) |", "|---|---|---|---|---|---|---|---|---|"]
     groups = {}
     for r in records:
         if r.get("phase") == phase:
             groups.setdefault((r["run"], r.get("variant", "recipe")), []).append(r)
     for (name, variant), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["seed"])          # per-seed figures in seed order
         top1 = [r["top1"] for r in rs]
+        logged = " / ".join(sorted({r["utc"][:10] if r.get("utc") else "no timestamp" for r in rs}))
         if name == "pixels":
-            rows.append(f"| raw pixels | — | — | {top1[0]:.1f} | — | — | — | — |")
+            rows.append(f"| raw pixels | — | — | {top1[0]:.1f} | — | — | — | — | {logged} |")
             continue
         minutes = statistics.mean(r["train_seconds"] for r in rs) / 60
         if "random_init_top1" not in rs[0]:   # DRLoc: supervised top-1, mean ± standard deviation
             spread = statistics.stdev(top1) if len(top1) > 1 else 0.0
             rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | {statistics.mean(top1):.1f} "
-                        f"± {spread:.1f} | — | — | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} |")
+                        f"± {spread:.1f} | — | — | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
             continue
         random_init = [r["random_init_top1"] for r in rs]
         gains = [a - b for a, b in zip(top1, random_init)]
+        per_seed = f" ({', '.join(f'{g:+.1f}' for g in gains)})" if len(gains) > 1 else ""
         rows.append(f"| {name} | {variant} | {len(rs)} | {cell(top1)} | {cell(random_init)} | "
-                    f"{cell(gains)} | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} |")
+                    f"{cell(gains)}{per_seed} | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
     return "\n".join(rows)
 
 
-def paired_difference(records, phase, run="drloc", baseline="drloc_base"):
+def paired_difference(records, phase, run="drloc", baseline="drloc_base", variant="recipe", numbers=False):
     """DRLoc's comparison: top-1 of `run` minus `baseline` seed by seed (a seed fixes the backbone's
     initialisation and the batch order of both runs), as mean ± standard
-    deviation over the seeds both have, and whether the mean is beyond two standard errors."""
+    deviation over the seeds both have, and whether the mean is beyond two standard errors
+    (numbers: the differences instead, in seed order)."""
     top1 = {}
     for r in records:
-        if r.get("phase") == phase and r.get("variant", "recipe") == "recipe" and r["run"] in (run, baseline):
+        if r.get("phase") == phase and r.get("variant", "recipe") == variant and r["run"] in (run, baseline):
             top1.setdefault(r["run"], {})[r["seed"]] = r["top1"]
     seeds = sorted(set(top1.get(run, {})) & set(top1.get(baseline, {})))
     if len(seeds) < 2:
         return None
     diffs = [top1[run][s] - top1[baseline][s] for s in seeds]
+    if numbers:
+        return diffs
     mean, std = statistics.mean(diffs), statistics.stdev(diffs)
     verdict = "beyond" if abs(mean) > 2 * std / len(seeds) ** 0.5 else "within"
     return (f"{run} - {baseline}, paired by seed ({len(seeds)} seeds: "
             f"{', '.join(f'{d:+.2f}' for d in diffs)}): {mean:+.2f} ± {std:.2f} points (mean ± std), "
             f"{verdict} two standard errors of the mean")
+
+
+def drloc_regime(records):
+    """Whether the DRLoc paper's direction holds on the small-dataset runs: a larger gain of λ = 0.5
+    over λ = 0 for the Swin than for the ViT, and a larger one for shorter training; from the
+    paired differences (val phase), with what the seeds allow one to say."""
+    found = {(arch, variant): paired_difference(records, "val", f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
+             for arch in DRLOC_ARCHS for variant in ("recipe", "short")}
+    if not any(found.values()):
+        return "No run of DRLoc's small-dataset regime is logged yet."
+    epochs = {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}
+
+    def say(diffs):
+        spread = (max(diffs) - min(diffs)) / 2
+        return f"{statistics.mean(diffs):+.2f} (seeds {', '.join(f'{d:+.2f}' for d in diffs)}; ± {spread:.2f})"
+
+    lines = [f"DRLoc, λ = 0.5 minus λ = 0, validation top-1 (points), paired by seed, first 5000 train images:"]
+    for (arch, variant), diffs in found.items():
+        lines.append(f"- `{arch}`, {epochs[variant]} epochs: " + (say(diffs) if diffs else "not run (fewer than 2 seeds)"))
+
+    def compare(a, b, what):
+        if not (found[a] and found[b]):
+            return f"{what}: not measured"
+        gap = [x - y for x, y in zip(found[a], found[b])]
+        agree = all(g > 0 for g in gap) or all(g < 0 for g in gap)
+        holds = statistics.mean(gap) > 0
+        return (f"{what}: {'holds' if holds else 'does not hold'} here (gap {say(gap)}; "
+                f"{'the same sign with every seed' if agree else 'the seeds disagree: within seed noise'})")
+    lines.append("- " + compare(("swin", "recipe"), ("vit", "recipe"), f"a larger gain for the Swin than for the ViT "
+                                                                        f"({DRLOC_EPOCHS} epochs)"))
+    for arch in DRLOC_ARCHS:
+        lines.append("- " + compare((arch, "short"), (arch, "recipe"), f"a larger gain for shorter training (`{arch}`, "
+                                                                        f"{DRLOC_EPOCHS // 3} against {DRLOC_EPOCHS} epochs)"))
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,6 +387,7 @@ def generated_blocks(records):
             text += f"\n\nDRLoc: {comparison}."
         blocks[phase] = text
     blocks["commands"] = "```bash\n" + "\n".join(reproducing_commands(records)) + "\n```"
+    blocks["drloc_regime"] = drloc_regime(records)
     return blocks
 
 
@@ -370,8 +427,13 @@ def main():
     args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
+    logged = {(r["run"], r.get("variant", "recipe"), r["phase"], r["seed"]) for r in read_log(args.log)} \
+        if args.runs and Path(args.log).is_file() else set()
     for name in args.runs:
         for seed in args.seeds if name != "pixels" else [0]:
+            if (name, args.variant, args.phase, seed) in logged:     # a relaunch goes on where it stopped
+                print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
+                continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir)
             with open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")

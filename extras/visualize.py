@@ -13,8 +13,10 @@ Pillow's ImageDraw for lines, dots and numbers; no plotting library):
                 exactly as epoch 0 of a run with the same --seed and crop flags draws them (look at
                 them before tuning a recipe: is the object still there after crop, blur, solarize?)
     curves      learning curves of extras/compare.py's runs: 20-NN top-1 and the `overlap` all-token
-                correspondence accuracy against training steps, one line per row (mean over the
-                seeds that evaluated their kept checkpoints); step 0 is the backbone's random init
+                correspondence accuracy against training steps, one line per row (the seeds that
+                evaluated their kept checkpoints: one seed, or their mean with their range as bars;
+                the title says which); step 0 is the row's own network at random init; one colour,
+                dash and marker per row in every picture
 
     python extras/visualize.py attention --pretrained_weights runs/dino/checkpoint.pth --image photo.jpg --output attention.png
     python extras/visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth --dataset synthetic \
@@ -28,9 +30,9 @@ The 60% threshold: per head, sort the patches by attention, keep the largest one
 reaches 60% of the total (the patch that crosses the line is kept), as DINO's visualisation does.
 """
 import argparse
-import json
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -210,47 +212,98 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
 CURVES = (("knn_top1", "20-NN top-1 (%)"), ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
 
 
+# one colour, dash pattern (None: solid) and marker per row, the same in every picture; a row that can
+# lie on another (GLSD similarity is EsViT's loss) is dashed, in a contrasting colour, drawn on top
+ROW_STYLES = {"vit_dino": ((230, 25, 75), None, "circle"), "vit_selfpatch": ((60, 180, 75), None, "square"),
+              "vit_esvit": ((0, 130, 200), None, "triangle"), "vit_glsd": ((245, 130, 48), None, "diamond"),
+              "swin_dino": ((170, 110, 40), None, "circle"), "swin_esvit": ((145, 30, 180), None, "square"),
+              "swin_glsd_geometric": ((0, 128, 128), None, "diamond"),
+              "swin_glsd_similarity": ((240, 170, 0), (7, 5), "triangle")}
+
+
 def curve_series(records, data, phase, variant="recipe"):
-    """{row: [(step, {metric: mean over seeds}), ...]} of the trained rows of one comparison, over the
-    seeds that logged a curve: step 0 is the random-init record of the same backbone and seed (of any
-    variant: the initialisation depends on the seed only), then the kept checkpoints, then the final one."""
+    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of the
+    trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
+    checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
+    the initialisation depends on the network and the seed only), then the kept checkpoints, then the
+    final one; mean and range over those seeds at each step."""
     def point(step, record):
         return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
 
-    same = [r for r in records if (r["data"], r["phase"]) == (data, phase) and "backbone" in r]
-    chosen = [r for r in same if r["variant"] == variant]
-    random_init = {}
-    for r in same:
-        if r.get("random_init"):
-            random_init.setdefault((r["backbone"], r["seed"]), r)
-    series = {}
-    for r in chosen:
-        if "curve" not in r:
+    base = compare_tables.baselines(records, data, phase)
+    runs = {}
+    for r in records:
+        if (r["data"], r["phase"], r["variant"]) != (data, phase, variant) or not r.get("curve"):
             continue
-        start = random_init.get((r["backbone"], r["seed"]))
+        start = base.get((compare_tables.baseline_row(r["row"]), r["seed"]))
         points = ([point(0, start)] if start else []) + [
             (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
-        series.setdefault(r["row"], []).append(dict(points))
-    return {row: [(step, {k: statistics.mean(run[step][k] for run in runs if step in run) for k, _ in CURVES})
-                  for step in sorted({s for run in runs for s in run})]
-            for row, runs in series.items()}
+        runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
+    series = {}
+    for row, by_seed in runs.items():
+        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))   # every drawn seed has them
+        series[row] = {"seeds": sorted(by_seed), "points": [
+            (step, {k: (statistics.mean(run[step][k] for run in by_seed.values()),
+                        min(run[step][k] for run in by_seed.values()), max(run[step][k] for run in by_seed.values()))
+                    for k, _ in CURVES}) for step in steps]}
+    return series
+
+
+def curves_title(series, data, phase, variant):
+    """What the picture shows, exactly: which seeds each line is, and what the bars are."""
+    seed_sets = {tuple(s["seeds"]) for s in series.values()}
+    if len(seed_sets) == 1:
+        seeds = next(iter(seed_sets))
+        what = (f"seed {seeds[0]} only (the one seed that evaluated its kept checkpoints)" if len(seeds) == 1 else
+                f"mean of seeds {', '.join(map(str, seeds))}, bars: their range")
+    else:
+        what = "per row, the seeds named in the legend (more than one: their mean, bars: their range)"
+    return f"{data}, {phase} phase, {variant}: {what}; step 0 = the row's own network at random init"
+
+
+def draw_marker(draw, shape, x, y, colour, r=3):
+    if shape == "square":
+        draw.rectangle([x - r, y - r, x + r, y + r], fill=colour)
+    elif shape == "triangle":
+        draw.polygon([(x, y - r - 1), (x - r - 1, y + r), (x + r + 1, y + r)], fill=colour)
+    elif shape == "diamond":
+        draw.polygon([(x, y - r - 1), (x + r + 1, y), (x, y + r + 1), (x - r - 1, y)], fill=colour)
+    else:
+        draw.ellipse([x - r, y - r, x + r, y + r], fill=colour)
+
+
+def draw_polyline(draw, points, colour, dash, width=2):
+    """A polyline, solid or dashed ((on, off) pixels along each segment)."""
+    for (xa, ya), (xb, yb) in zip(points, points[1:]):
+        if dash is None:
+            draw.line([xa, ya, xb, yb], fill=colour, width=width)
+            continue
+        length = max(((xb - xa) ** 2 + (yb - ya) ** 2) ** 0.5, 1e-9)
+        t = 0.0
+        while t < length:
+            u = min(t + dash[0], length)
+            draw.line([xa + (xb - xa) * t / length, ya + (yb - ya) * t / length,
+                       xa + (xb - xa) * u / length, ya + (yb - ya) * u / length], fill=colour, width=width)
+            t += dash[0] + dash[1]
 
 
 def curves_picture(series, title, panel=(420, 300), margin=(56, 30, 20, 40)):
-    """Two panels (the metrics of CURVES) with one coloured polyline per row and a legend below:
-    uint8 [3, H, W]. margin: left, top, right, bottom of each panel's plot area."""
-    rows = list(series)
+    """Two panels (the metrics of CURVES), one line per row (ROW_STYLES: colour, dash, marker), the
+    range over the drawn seeds as a vertical bar at each step, a legend below: uint8 [3, H, W].
+    margin: left, top, right, bottom of each panel's plot area."""
+    rows = sorted(series, key=lambda row: ROW_STYLES.get(row, (None, None))[1] is not None)   # dashed on top
     left, top, right, bottom = margin
     legend_height = 16 * ((len(rows) + 1) // 2) + 10
-    width, height = 2 * panel[0], panel[1] + legend_height + 20
+    width, height = 2 * panel[0], panel[1] + legend_height + 34
     picture = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(picture)
-    draw.text((8, 4), title, fill="black")
-    steps = sorted({s for points in series.values() for s, _ in points}) or [0, 1]
+    for i, line in enumerate(textwrap.wrap(title, 130)[:2]):
+        draw.text((8, 4 + 12 * i), line, fill="black")
+    steps = sorted({s for rs in series.values() for s, _ in rs["points"]}) or [0, 1]
     for p, (metric, label) in enumerate(CURVES):
-        x0, y0 = p * panel[0] + left, 20 + top
-        x1, y1 = (p + 1) * panel[0] - right, 20 + panel[1] - bottom
-        values = [v[metric] for points in series.values() for _, v in points] or [0.0, 1.0]
+        x0, y0 = p * panel[0] + left, 34 + top
+        x1, y1 = (p + 1) * panel[0] - right, 34 + panel[1] - bottom
+        values = [v for rs in series.values() for _, m in rs["points"] for v in m[metric]] or [0.0, 1.0]
         low, high = min(values), max(values)
         pad = max(high - low, 1.0) * 0.08
         low, high = low - pad, high + pad
@@ -271,17 +324,25 @@ def curves_picture(series, title, panel=(420, 300), margin=(56, 30, 20, 40)):
             draw.line([x, y1, x, y1 + 4], fill="black")
             draw.text((x - 10, y1 + 6), str(step), fill="black")
         draw.text(((x0 + x1) / 2 - 30, y1 + 20), "training steps", fill="black")
-        for i, row in enumerate(rows):
-            points = [xy(s, v[metric]) for s, v in series[row]]
-            colour = PALETTE[i % len(PALETTE)]
+        for row in rows:
+            colour, dash, marker = ROW_STYLES.get(row, (PALETTE[0], None, "circle"))
+            points = [(xy(s, m[metric][0]), xy(s, m[metric][1]), xy(s, m[metric][2])) for s, m in series[row]["points"]]
             if len(points) > 1:
-                draw.line(points, fill=colour, width=2)
-            for x, y in points:
-                draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
-    for i, row in enumerate(rows):                          # legend, two columns
-        x, y = 20 + (i % 2) * panel[0], 20 + panel[1] + 4 + 16 * (i // 2)
-        draw.line([x, y + 6, x + 24, y + 6], fill=PALETTE[i % len(PALETTE)], width=3)
-        draw.text((x + 30, y), row, fill="black")
+                draw_polyline(draw, [mean for mean, _, _ in points], colour, dash)
+            for (x, y), (_, y_low), (_, y_high) in points:
+                if y_high != y_low:
+                    draw.line([x, y_low, x, y_high], fill=colour, width=1)
+                    draw.line([x - 3, y_low, x + 3, y_low], fill=colour)
+                    draw.line([x - 3, y_high, x + 3, y_high], fill=colour)
+                draw_marker(draw, marker, x, y, colour)
+    seed_sets = {tuple(s["seeds"]) for s in series.values()}
+    for i, row in enumerate(series):                        # legend, two columns, in the log's order
+        colour, dash, marker = ROW_STYLES.get(row, (PALETTE[0], None, "circle"))
+        x, y = 20 + (i % 2) * panel[0], 34 + panel[1] + 4 + 16 * (i // 2)
+        draw_polyline(draw, [(x, y + 6), (x + 24, y + 6)], colour, dash, width=3)
+        draw_marker(draw, marker, x + 12, y + 6, colour)
+        seeds = "" if len(seed_sets) == 1 else f" (seeds {', '.join(map(str, series[row]['seeds']))})"
+        draw.text((x + 30, y), row + seeds, fill="black")
     return pil_to_tensor(picture)
 
 
@@ -378,7 +439,7 @@ def main(args):
         if not series:
             common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
                        f"--variant {args.variant} (extras/compare.py logs one for each seed in --curve_seeds)")
-        return save(curves_picture(series, f"{args.data}, {args.phase} phase: mean over the seeds with a curve"), args)
+        return save(curves_picture(series, curves_title(series, args.data, args.phase, args.variant)), args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":

@@ -2,12 +2,14 @@
 unreadable log; every figure of a generated block is a logged value (or computed from logged
 values); a gain over random initialisation pairs a row only with its own network."""
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/COMPARISON.md", "docs/RESULTS.md"]
@@ -57,3 +59,163 @@ def test_curves_refuse_a_log_that_is_not_a_comparison_log(tmp_path, copy, kind):
             str(tmp_path / "curves.png"))
     assert r.returncode != 0 and not (tmp_path / "curves.png").exists()
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Every figure of a generated block comes from the log; every gain pairs a row with its own network
+# ------------------------------------------------------------------------------------------------
+sys.path.insert(0, str(ROOT / "extras"))
+import compare  # noqa: E402
+import compare_tables  # noqa: E402
+import provenance  # noqa: E402
+import quickstart  # noqa: E402
+import results  # noqa: E402
+
+LOGS = {"compare": ROOT / "docs" / "data" / "compare_32px.jsonl", "results": ROOT / "docs" / "data" / "results_32px.jsonl",
+        "quickstart": ROOT / "docs" / "data" / "quickstart.jsonl"}
+IDENTITY = {"seed", "steps", "step", "epoch", "network", "args"}    # what names a line, or is compared, not published
+
+
+def scaled(value, key=""):
+    """Every logged number not in IDENTITY times a factor of its key (ratios of two keys change too)."""
+    if isinstance(value, dict):
+        return {k: v if k in IDENTITY else scaled(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scaled(v, key) for v in value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    factor = 3.7 + sum(map(ord, key)) % 37 / 10      # >= 3.7: no rounded figure can stay the same
+    return round(value * factor) if isinstance(value, int) else value * factor
+
+
+def all_blocks(logs):
+    records = {name: provenance.read_log(path) for name, path in logs.items()}
+    return {**{f"compare.py:{k}": v for k, v in compare.generated_blocks(records["compare"]).items()},
+            **{f"results.py:{k}": v for k, v in results.generated_blocks(records["results"]).items()},
+            **{f"quickstart.py:{k}": v for k, v in quickstart.generated_blocks(records["quickstart"]).items()}}
+
+
+def published_figures(text):
+    """(line, figure) of every decimal figure of a block: not in code, dates, flags or labels."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    figures = []
+    for number, line in enumerate(text.splitlines()):
+        if line.startswith("|---") or (line.startswith("| ") and number == 0):
+            continue                                                   # a table's header
+        line = re.sub(r"`[^`]*`|\d{4}-\d{2}-\d{2}(T[0-9:]+Z)?|--\w+ [-0-9. ]+", "", line)
+        figures += [(number, float(m)) for m in re.findall(r"(?<![\w.])[-+]?\d+\.\d+(?![\w.])", line)]
+    return figures
+
+
+def test_every_published_figure_of_the_generated_blocks_comes_from_a_logged_number(tmp_path):
+    """Regenerated from a log whose every number is scaled, each decimal figure of every block
+    changes (zero aside): none is typed in by hand, and each rests on a logged value."""
+    logs = {}
+    for name, path in LOGS.items():
+        logs[name] = tmp_path / path.name
+        logs[name].write_text("".join(json.dumps(scaled(r)) + "\n" for r in provenance.read_log(path)))
+    before, after = all_blocks(LOGS), all_blocks(logs)
+    for block, text in before.items():
+        for (line, figure), (_, moved) in zip(published_figures(text), published_figures(after[block])):
+            assert figure == 0 or moved != figure, f"{block} line {line}: {figure} does not come from the log"
+    documents = "".join((ROOT / p).read_text() for p in DOCS)
+    for block in before:                   # every generated block of the documents is one of these
+        tag, name = block.split(":")
+        assert f"<!-- {block} -->" in documents or name not in ("summary", "added", "result"), block
+
+
+def test_generated_blocks_of_the_documents_are_the_generators_output_for_the_committed_logs():
+    blocks = all_blocks(LOGS)
+    for path in DOCS:
+        text = (ROOT / path).read_text()
+        for tag in ("compare.py", "results.py", "quickstart.py"):
+            mine = {k.split(":")[1]: v for k, v in blocks.items() if k.startswith(tag)}
+            assert results.refresh(text, mine, tag=tag) == text, f"{path}: stale {tag} block; run python extras/{tag} --table"
+
+
+def test_no_generated_block_holds_a_line_logged_without_its_row():
+    """Every row of the comparison's tables is a logged row (no table line without a log line)."""
+    records = provenance.read_log(LOGS["compare"])
+    logged = {r["row"] for r in records}
+    for name, text in compare.generated_blocks(records).items():
+        for line in text.splitlines()[2:] if text.startswith("|") else []:
+            row = line.split("|")[1].strip().strip("`")
+            assert row in logged | {"raw pixels", "vit_pico", "swin_pico3"}, (name, row)
+
+
+def selfpatch_records():
+    """vit_selfpatch and the two random-init rows of the ViT, as logged (network records of their own)."""
+    records = provenance.read_log(LOGS["compare"])
+    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == ("fashion_mnist", "test", "recipe")
+              and r["row"] in ("vit_selfpatch", "vit_random", "vit_selfpatch_random", "vit_dino")]
+    return chosen
+
+
+def test_every_logged_gain_pairs_a_row_with_its_own_network():
+    records = provenance.read_log(LOGS["compare"])
+    base = {}
+    for r in records:
+        if r.get("random_init"):
+            base.setdefault((r["data"], r["phase"], r["row"], r["seed"]), r)
+    pairs = 0
+    for r in records:
+        if r["row"] in compare_tables.METHOD_FLAGS:
+            b = base.get((r["data"], r["phase"], compare_tables.baseline_row(r["row"]), r["seed"]))
+            if b is not None:
+                assert compare_tables.network_of(r, records) == compare_tables.network_of(b, records), (r["row"], b["row"])
+                pairs += 1
+    assert pairs >= 20
+    selfpatch = [r for r in records if r["row"] == "vit_selfpatch"][0]
+    dino = [r for r in records if r["row"] == "vit_dino"][0]
+    assert compare_tables.network_of(selfpatch, records)["image_token"] == "ca_head"
+    assert compare_tables.network_of(selfpatch, records) != compare_tables.network_of(dino, records)
+
+
+def test_a_gain_over_another_networks_random_init_is_refused(monkeypatch):
+    """SelfPatch paired with DINO's ViT at random init (the CLS-token network) is one line and an exit."""
+    records = selfpatch_records()
+    monkeypatch.setattr(compare_tables, "RANDOM_ROWS", {"vit_random": "vit_dino", "swin_random": "swin_dino"})
+    with pytest.raises(SystemExit, match="vit_selfpatch .* cannot be paired with vit_random: another network"):
+        compare_tables.comparison_table(records, "fashion_mnist", "test")
+
+
+def test_a_row_without_its_own_random_init_shows_no_gain():
+    records = [r for r in selfpatch_records() if r["row"] != "vit_selfpatch_random"]
+    line = next(l for l in compare_tables.comparison_table(records, "fashion_mnist", "test").splitlines()
+                if l.startswith("| vit_selfpatch |"))
+    assert line.split("|")[6].strip() == "—" and line.split("|")[8].strip() == "—"
+
+
+def test_the_random_init_row_evaluates_the_runs_starting_weights(tmp_path, monkeypatch):
+    """What eval_knn.py --random_init --seed S rebuilds from a row's checkpoint is the network its
+    training command starts from: the method's main() student before its first step (DINO and
+    SelfPatch, whose networks differ)."""
+    import common
+    import eval_knn
+    for script, extra in (("dino", []), ("selfpatch", ["--patch_out_dim", "64"])):
+        module = __import__(script)
+        flags = ["--arch", "vit_pico", "--patch_size", "8", "--dataset", "synthetic", "--synthetic_images", "16",
+                 "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16",
+                 "--local_crops_number", "2", "--out_dim", "64", "--batch_size_per_gpu", "8", "--num_workers", "0",
+                 "--epochs", "1", "--warmup_epochs", "0", "--device", "cpu", "--precision", "fp32", "--seed", "3", *extra,
+                 "--output_dir", str(tmp_path / script)]
+        captured = {}
+
+        class Started(Exception):
+            pass
+
+        def first_step(student, *args, **kwargs):
+            captured.update({k: v.clone() for k, v in common.unwrap(student).state_dict().items()})
+            raise Started
+
+        monkeypatch.setattr(module, "train_one_epoch", first_step)
+        with pytest.raises(Started):
+            module.main(module.get_args_parser().parse_args(flags))
+        provenance.starting_checkpoint(" ".join(["python", f"{script}.py", *flags]), tmp_path / f"{script}.pth")
+        common.fix_random_seeds(3)
+        model, _ = eval_knn.load_backbone(str(tmp_path / f"{script}.pth"), random_init=True)
+        state = model.state_dict()
+        prefix = "" if isinstance(model, eval_knn.PooledViT) else "backbone."
+        assert {prefix + k for k in state} <= set(captured), script
+        for k, v in state.items():
+            assert torch.equal(v, captured[prefix + k]), (script, k)

@@ -33,8 +33,8 @@ def test_table_reports_mean_half_range_and_gain_over_random_init_per_phase():
                 "train_seconds": 60, "peak_memory_mb": 900},
                {"run": "pixels", "variant": "recipe", "phase": "test", "seed": 0, "top1": 84.6, "train_seconds": 0.0}]
     lines = results.table(records, "test").splitlines()
-    assert lines[2:] == ["| dino | recipe | 2 | 62.0 ± 2.0 | 51.0 ± 1.0 | 11.0 ± 1.0 | 10.5 | 950 |",
-                         "| raw pixels | — | — | 84.6 | — | — | — | — |"]
+    assert lines[2:] == ["| dino | recipe | 2 | 62.0 ± 2.0 | 51.0 ± 1.0 | 11.0 ± 1.0 (+10.0, +12.0) | 10.5 | 950 | no timestamp |",
+                         "| raw pixels | — | — | 84.6 | — | — | — | — | no timestamp |"]
 
 
 def test_drloc_comparison_is_paired_by_seed():
@@ -264,24 +264,36 @@ def test_summary_table_pairs_each_seed_with_its_own_random_init():
 def test_learning_curves_are_drawn_from_a_fake_log(tmp_path):
     records = fake_comparison_records()
     series = visualize.curve_series(records, "fashion_mnist", "test")
-    # step 0: the random-init rows; 200: the kept checkpoint; 400: the final one (means over seeds 0 and 1)
-    assert series == {"vit_dino": [(0, {"knn_top1": 50.0, "overlap_accuracy": 10.0}),
-                                   (200, {"knn_top1": 56.0, "overlap_accuracy": 15.0}),
-                                   (400, {"knn_top1": 61.0, "overlap_accuracy": 20.0})]}
+    # step 0: the row's own random init; 200: the kept checkpoint; 400: the final one; (mean, low, high) over seeds 0, 1
+    assert series == {"vit_dino": {"seeds": [0, 1], "points": [
+        (0, {"knn_top1": (50.0, 50.0, 50.0), "overlap_accuracy": (10.0, 10.0, 10.0)}),
+        (200, {"knn_top1": (56.0, 55.0, 57.0), "overlap_accuracy": (15.0, 15.0, 15.0)}),
+        (400, {"knn_top1": (61.0, 60.0, 62.0), "overlap_accuracy": (20.0, 20.0, 20.0)})]}}
+    assert "mean of seeds 0, 1, bars: their range" in visualize.curves_title(series, "fashion_mnist", "test", "recipe")
     longer = [{**r, "variant": "steps800", "steps": 800} for r in records if r["row"] == "vit_dino" and r["seed"] == 0]
-    assert visualize.curve_series(records + longer, "fashion_mnist", "test", "steps800")["vit_dino"][::2] == [
-        (0, {"knn_top1": 50.0, "overlap_accuracy": 10.0}),        # the random init of the recipe's rows
-        (800, {"knn_top1": 60.0, "overlap_accuracy": 20.0})]
+    series = visualize.curve_series(records + longer, "fashion_mnist", "test", "steps800")
+    assert series["vit_dino"]["seeds"] == [0] and series["vit_dino"]["points"][::2] == [
+        (0, {"knn_top1": (50.0, 50.0, 50.0), "overlap_accuracy": (10.0, 10.0, 10.0)}),   # the recipe's random init
+        (800, {"knn_top1": (60.0, 60.0, 60.0), "overlap_accuracy": (20.0, 20.0, 20.0)})]
+    assert "seed 0 only" in visualize.curves_title(series, "fashion_mnist", "test", "steps800")
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "curves.png"
     parser = visualize.get_args_parser()
     picture = visualize.main(parser.parse_args(["curves", "--log", str(log), "--output", str(out)]))
     assert out.is_file() and picture.dtype == torch.uint8 and picture.shape[0] == 3
-    colour = torch.tensor(visualize.PALETTE[0], dtype=torch.uint8)[:, None, None]
+    colour = torch.tensor(visualize.ROW_STYLES["vit_dino"][0], dtype=torch.uint8)[:, None, None]
     assert ((picture == colour).all(dim=0)).sum() > 100        # the row's line and dots are drawn
     with pytest.raises(SystemExit):
         visualize.main(parser.parse_args(["curves", "--log", str(log), "--data", "shapes", "--output", str(out)]))
+
+
+def test_each_row_keeps_its_style_in_every_picture_and_overlapping_rows_differ():
+    styles = visualize.ROW_STYLES
+    assert set(styles) == set(compare.METHOD_FLAGS)
+    assert len({colour for colour, _, _ in styles.values()}) == len(styles)       # one colour per row
+    assert styles["swin_glsd_similarity"][1] is not None and styles["swin_esvit"][1] is None   # dashed over solid
+    assert styles["swin_glsd_similarity"][2] != styles["swin_esvit"][2]                        # and another marker
 
 
 def test_pixels_knn_on_a_separable_toy_set():
