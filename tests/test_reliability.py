@@ -435,21 +435,26 @@ def last_line(result):
 
 
 def test_resume_with_changed_arguments_refuses_naming_each_difference(dino_uninterrupted, tmp_path):
-    shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
-    # a real process: dino.py's one-line error reaches stderr, with exit status 1
-    r = run("dino.py", *DINO_TINY, "--lr", "0.001", "--local_crops_number", "4", "--output_dir", str(tmp_path))
+    refused, out = tmp_path / "refused", tmp_path / "out"
+    for folder in (refused, out):
+        folder.mkdir()
+        shutil.copy(dino_uninterrupted / "checkpoint.pth", folder / "checkpoint.pth")
+    # a real process: dino.py's one-line error reaches stderr, with exit status 1 (it runs while the
+    # in-process runs below go on in another copy of the run)
+    proc = start("dino.py", *DINO_TINY, "--lr", "0.001", "--local_crops_number", "4", "--output_dir", str(refused))
+    # extending --epochs is allowed, and so is a change of where the run happens
+    r = run_here("dino.py", *tiny(epochs="3", num_workers="1"), "--output_dir", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--epochs changed from 2 to 3" in r.stdout and load(out / "checkpoint.pth")["epoch"] == 3
+    assert '"epochs": 3' in (out / "args.json").read_text()
+    r = run_here("dino.py", *tiny(epochs="2"), "--output_dir", str(out))
+    assert r.returncode == 1 and "already trained 3 epochs, more than --epochs 2" in last_line(r)
+    r = finish(proc)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     line = last_line(r)
     assert "trained with other arguments" in line and "--allow_changed_args" in line
     assert "--lr 0.0005 (now 0.001)" in line and "--local_crops_number 2 (now 4)" in line
-    assert not (tmp_path / "args.json").exists()          # written only once every check passed
-    # extending --epochs is allowed, and so is a change of where the run happens
-    r = run_here("dino.py", *tiny(epochs="3", num_workers="1"), "--output_dir", str(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "--epochs changed from 2 to 3" in r.stdout and load(tmp_path / "checkpoint.pth")["epoch"] == 3
-    assert '"epochs": 3' in (tmp_path / "args.json").read_text()
-    r = run_here("dino.py", *tiny(epochs="2"), "--output_dir", str(tmp_path))
-    assert r.returncode == 1 and "already trained 3 epochs, more than --epochs 2" in last_line(r)
+    assert not (refused / "args.json").exists()          # written only once every check passed
 
 
 def test_default_output_dir_is_per_method_and_another_methods_checkpoint_is_named(dino_uninterrupted, tmp_path):
@@ -559,14 +564,18 @@ def eval_folder(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("script", ["eval_knn.py", "eval_linear.py"])
-def test_eval_unreadable_image_is_one_line(eval_folder, tmp_path, script):
-    """A real process with a loader worker: the worker's error reaches stderr as one line, status 1."""
-    extra = ["--nb_knn", "5"] if script == "eval_knn.py" else ["--epochs", "1", "--output_dir", str(tmp_path)]
-    r = run(script, *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "1", *extra)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    line = last_line(r)
-    assert line.startswith("error: cannot read image") and "truncated.jpg" in line and "--skip_bad_images" in line
+def test_eval_unreadable_image_is_one_line(eval_folder, tmp_path):
+    """Both evaluation scripts as real processes (at once) with a loader worker: the worker's error
+    reaches stderr as one line, with exit status 1."""
+    procs = {script: start(script, *EVAL_FOLDER, "--data_path", str(eval_folder), "--num_workers", "1", *extra)
+             for script, extra in (("eval_knn.py", ["--nb_knn", "5"]),
+                                   ("eval_linear.py", ["--epochs", "1", "--output_dir", str(tmp_path)]))}
+    for script, proc in procs.items():
+        r = finish(proc)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (script, r.stderr[-3000:])
+        line = last_line(r)
+        assert line.startswith("error: cannot read image") and "truncated.jpg" in line and "--skip_bad_images" in line, \
+            (script, line)
 
 
 def test_eval_knn_drops_unreadable_images_with_their_labels(eval_folder):
