@@ -321,3 +321,22 @@ def test_pixels_knn_on_a_separable_toy_set():
 def test_comparison_pixel_row_reads_the_datasets_by_their_flags():
     top1 = compare.pixels_knn(["--dataset", "synthetic", "--synthetic_images", "40", "--synthetic_image_size", "16"])
     assert 0.0 <= top1 <= 100.0
+
+
+def test_drloc_regime_says_whether_the_papers_direction_holds():
+    """Swin gains more than the ViT, and the short runs more than the long ones, with every seed."""
+    top1 = {("swin", "recipe"): (3.0, 2.0), ("vit", "recipe"): (1.0, 0.5), ("swin", "short"): (4.0, 5.0),
+            ("vit", "short"): (0.0, 1.0)}
+    records = []
+    for (arch, variant), gains in top1.items():
+        for seed, gain in enumerate(gains):
+            for run, value in ((f"drloc5k_{arch}", 50.0 + gain), (f"drloc5k_{arch}_base", 50.0)):
+                records.append({"run": run, "variant": variant, "phase": "val", "seed": seed, "top1": value})
+    text = results.drloc_regime(records)
+    assert "- `swin`, 6 epochs: +2.50 (seeds +3.00, +2.00; ± 0.50)" in text
+    assert "a larger gain for the Swin than for the ViT (6 epochs): holds here" in text
+    assert "the same sign with every seed" in text
+    assert "(`swin`, 2 against 6 epochs): holds here" in text                    # +4.5 against +2.5
+    assert "(`vit`, 2 against 6 epochs): does not hold here (gap -0.25 (seeds -1.00, +0.50; ± 0.75); " \
+           "the seeds disagree: within seed noise)" in text                       # +0.5 against +0.75
+    assert results.drloc_regime(records[:2]).startswith("No paired difference yet")
