@@ -1217,7 +1217,7 @@ def make_folder(path, flag):
     path = Path(path)
     try:
         existed = path.is_dir()
-        if path.exists() and not existed:
+        if path.exists() and not path.is_dir():          # asked again: another process may have just made it
             die(f"{flag} {path} is a file, not a folder; give a folder name")
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
