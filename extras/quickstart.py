@@ -54,6 +54,9 @@ def run(args):
     eval_data = compare.data_flags(args.eval_data or args.data, args.phase, args.data_dir)
     name = f"{args.variant}_{args.data}_{args.phase}_{args.steps}"
     out = Path(args.work_dir) / name
+    if (out / "checkpoint.pth").exists() and not args.eval_data:    # it would log a training that did not run
+        raise SystemExit(f"error: {out} already holds a trained run; train again with another --work_dir or "
+                         f"--variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
     epochs = args.steps // 50
     train = ["dino.py", *TRAIN.format(data=" ".join(data), epochs=epochs, warmup=epochs / 2).split(),
