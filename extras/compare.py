@@ -211,8 +211,11 @@ def run_row(row, args, seed):
         return {**record, "knn_top1": pixels_knn(data), **provenance.stamp(started)}
     out, weights = row_paths(row, args, seed)
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "checkpoint.pth").exists() or (out / "linear").exists():
+    if (out / "linear").exists():
         sys.exit(f"error: {out} holds an earlier run of this row: move it away, or log a --variant")
+    # a row that is not logged but has a checkpoint was stopped: the method script resumes it (and
+    # refuses changed flags); its training cost is then that of the last process only, not logged
+    resumed = row not in RANDOM_ROWS and (out / "checkpoint.pth").exists()
     evaluate = Evaluator(data, out, seed)
     record["backbone"] = METHOD_FLAGS[RANDOM_ROWS.get(row, row)][0]
     if row in RANDOM_ROWS:
@@ -225,9 +228,14 @@ def run_row(row, args, seed):
             record["linear_top1"] = evaluate.linear(weights, random_init=True)
         return finished(record, evaluate, started)
     train = train_command(row, args, seed)[1:]
-    evaluate.call(train, "train.txt")
+    evaluate.call(train, "train_resumed.txt" if resumed else "train.txt")
     record["network"] = provenance.checkpoint_signature(weights)
-    record["train_seconds"] = evaluate.wall_seconds["train"]
+    if resumed:
+        record["resumed"] = True
+        for total in (evaluate.wall_seconds, evaluate.cpu_seconds):
+            total["train_resumed"] = total.pop("train")
+    else:
+        record["train_seconds"] = evaluate.wall_seconds["train"]
     record["precision"] = json.loads((out / "args.json").read_text())["precision"]   # what --precision auto chose
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
@@ -310,7 +318,8 @@ def generated_blocks(records):
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
     blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
-                  added=compare_tables.added_table(records))
+                  added=compare_tables.added_table(records),
+                  differences_fashion_mnist_8k=differences_table(records, "fashion_mnist_8k"))
     commands = reproducing_commands(records)
     blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
     return blocks
@@ -366,6 +375,9 @@ def main():
         # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0
         pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)
         for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
+            if any(log_key(r) == (args.data, row, args.variant, args.phase, seed) for r in logged):
+                print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
+                continue
             record = run_row(row, args, seed)
             if args.extra:
                 record["extra"] = args.extra

@@ -98,6 +98,12 @@ def logged_dates(rs):
     return " / ".join(sorted({r["utc"][:10] if r.get("utc") else "no timestamp" for r in rs}))
 
 
+def validated(records, row, variant):
+    """Whether a row and variant ran on the validation split (Fashion-MNIST's: the settings of every
+    dataset are chosen there) before its test evaluation is reported."""
+    return any((r["phase"], r["row"], r["variant"]) == ("val", row, variant) for r in records)
+
+
 def comparison_table(records, data, phase):
     """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
     the variants and ROWS' order within one."""
@@ -118,6 +124,8 @@ def comparison_table(records, data, phase):
                 lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |" + " — |" * 9 + f" {logged_dates(rs)} |")
                 continue
             steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
+            shown = variant if phase == "val" or row in RANDOM_ROWS or validated(records, row, variant) \
+                else f"{variant} (test only)"
             knn_gain, linear_gain = ((None, None) if row in RANDOM_ROWS else
                                      (gains(rs, base, records), gains(rs, base, records, "linear_top1")))
             corr = [r["correspondence"] for r in rs]
@@ -127,7 +135,7 @@ def comparison_table(records, data, phase):
                        for k in ("teacher_entropy", "mean_target_entropy")]
             minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
             memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
-            lines.append(f"| {row} | {variant} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
+            lines.append(f"| {row} | {shown} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
                          f"{signed(knn_gain)} | {cell([r.get('linear_top1') for r in rs])} | {signed(linear_gain)} | "
                          f"{flip} | {overlap} | {entropy[0]} | {entropy[1]} | {minutes} | {memory} | {logged_dates(rs)} |")
     if len(lines) == 2:
@@ -157,7 +165,8 @@ def summary_table(records, data="fashion_mnist", phase="test", variant="recipe")
             own = baseline_row(rows[backbone])
             note = (f" over its own random init {cell([base[(own, r['seed'])]['knn_top1'] for r in rs])}"
                     if gain and own != f"{backbone}_random" else "")
-            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({signed(gain)}{note})" if gain else "—")
+            untried = "" if validated(records, rows[backbone], variant) else ", not run on validation"
+            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({signed(gain)}{note}{untried})" if gain else "—")
         lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
     if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
@@ -183,17 +192,17 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
     return found
 
 
-def differences_table(records):
+def differences_table(records, data="fashion_mnist"):
     """What a method adds over DINO on the same backbone, 20-NN and linear probe, seed by seed."""
     lines = ["| backbone | row | seeds | 20-NN gain | minus DINO's (seed 0, 1, ...) | linear gain | "
              "minus DINO's (seed 0, 1, ...) |",
              "|---|---|---|---|---|---|---|"]
-    for row, (seeds, by_key) in differences(records).items():
+    for row, (seeds, by_key) in differences(records, data).items():
         cells = []
         for mine, diffs in by_key.values():
             cells += [signed(mine), signed(diffs) + (f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else "")]
         lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {seeds} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) if len(lines) > 2 else "No test-phase method row on fashion_mnist is logged yet."
+    return "\n".join(lines) if len(lines) > 2 else f"No test-phase method row on {data} is logged yet."
 
 
 def added_table(records):

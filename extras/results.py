@@ -36,7 +36,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +77,7 @@ SELFPATCH_EPOCHS1 = (f"{SSL} {VIT} --out_dim 1024 --patch_out_dim 1024 "
 
 # name: (script, flags)
 RUNS = {
-    "pixels": (None, None),   # no network: the same k-NN on the raw 28x28 pixels
+    "pixels": (None, None),   # no network: the same k-NN on the raw pixels at the same 32 px
     "dino": ("dino.py", f"{SSL} {VIT}"),
     # SelfPatch: three epochs at teacher temperature 0.02 with DINO's crop scales, on the one-epoch base
     # its variants were searched on (below): +6.4 and +6.8 on the validation split against the base's
@@ -141,13 +140,15 @@ def parse_collapse(output):
             "ln_k": math.log(int(k.group(1)))}
 
 
-def pixels_knn_top1(bank, queries):
-    """20-NN (T = 0.07, eval_knn.py's vote) on the l2-normalised raw grey pixels: `bank` and `queries`
-    are labelled datasets of PIL images of one size."""
+def pixels_knn_top1(bank, queries, resize=32, crop=32):
+    """20-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are evaluated on them:
+    eval_knn.py's transform (bicubic resize, centre crop, normalisation) flattened and l2-normalised.
+    `bank` and `queries` are labelled datasets of PIL images."""
+    transform = common.eval_transform(resize, crop)
+
     def features(dataset):
         pairs = [dataset[i] for i in range(len(dataset))]
-        pixels = torch.stack([torch.tensor(np.asarray(image.convert("L")), dtype=torch.float32).flatten()
-                              for image, _ in pairs])
+        pixels = torch.stack([transform(image.convert("RGB")).flatten() for image, _ in pairs])
         return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _, label in pairs])
 
     (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
@@ -442,9 +443,9 @@ def main():
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir)
             with open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}% (random init "
-                  f"{record.get('random_init_top1', float('nan')):.2f}%), {record['train_seconds'] / 60:.1f} min",
-                  flush=True)
+            baseline = f" (random init {record['random_init_top1']:.2f}%)" if "random_init_top1" in record else ""
+            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, "
+                  f"{record['train_seconds'] / 60:.1f} min", flush=True)
     if args.table:
         blocks = generated_blocks(provenance.read_log(args.log, ("run", "phase", "seed")))
         markdown = RESULTS_MD.read_text()

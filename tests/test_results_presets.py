@@ -232,6 +232,48 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
     assert after[4] == records[4]                                 # the pixel row is untouched
 
 
+def test_a_test_row_that_never_ran_on_validation_says_so():
+    records = fake_comparison_records()
+    only_test = [{**r, "row": "vit_esvit"} for r in records if r["row"] == "vit_dino" and r["phase"] == "test"]
+    table = compare.comparison_table(records + only_test, "fashion_mnist", "test").splitlines()
+    assert [line.split(" | ")[:2] for line in table[2:4]] == [["| vit_dino", "recipe"], ["| vit_esvit", "recipe (test only)"]]
+    summary = compare.summary_table(records + only_test).splitlines()[2]
+    assert "61.0 ± 1.0 (+11.0 ± 1.0) | 61.0 ± 1.0 (+11.0 ± 1.0, not run on validation) |" in summary
+
+
+def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch, capsys):
+    """A row that left a checkpoint but no log line is trained again by the same command (the method
+    script resumes it) and logged without a training time (only the last process's would be known);
+    a row already logged is not run again."""
+    log, work = tmp_path / "log.jsonl", tmp_path / "work"
+    stopped = work / "fashion_mnist" / "vit_dino_recipe_test_seed0"
+    stopped.mkdir(parents=True)
+    (stopped / "checkpoint.pth").write_bytes(b"")
+    calls = []
+
+    def fake_call(self, args, log_name):
+        calls.append((self.out.name, log_name))
+        self.wall_seconds["train"] = self.cpu_seconds["train"] = 5.0
+        (self.out / "args.json").write_text(json.dumps({"precision": "bf16"}))
+        (self.out / "log.txt").write_text(json.dumps({"epoch": 0, "loss": 1.0, "peak_memory_mb": 10}) + "\n")
+    monkeypatch.setattr(compare.Evaluator, "call", fake_call)
+    for name, value in (("knn", 60.0), ("correspondence", {}), ("collapse", {})):
+        monkeypatch.setattr(compare.Evaluator, name, lambda self, *a, value=value, **k: value)
+    monkeypatch.setattr(compare.provenance, "checkpoint_signature", lambda weights: {"arch": "vit_pico"})
+    monkeypatch.setattr(compare.os, "chdir", lambda path: None)
+    argv = ["compare.py", "--phase", "test", "--rows", "vit_dino", "--seeds", "0", "1", "--curve_seeds",
+            "--skip_linear", "--log", str(log), "--work_dir", str(work)]
+    monkeypatch.setattr(sys, "argv", argv)
+    compare.main()
+    assert calls == [("vit_dino_recipe_test_seed0", "train_resumed.txt"), ("vit_dino_recipe_test_seed1", "train.txt")]
+    first, second = results.read_log(log)
+    assert first["resumed"] and "train_seconds" not in first and first["cpu_seconds"] == {"train_resumed": 5.0}
+    assert "resumed" not in second and second["train_seconds"] == 5.0
+    compare.main()                                   # both logged: nothing runs again
+    assert len(calls) == 2 and len(results.read_log(log)) == 2
+    assert capsys.readouterr().out.count("logged already") == 2
+
+
 def test_comparison_md_is_what_table_generates_from_the_log():
     log = results.ROOT / "docs" / "data" / "compare_32px.jsonl"
     records = results.read_log(log) if log.exists() else []
