@@ -20,6 +20,9 @@ rows stand for every row of their backbone whose network is the same (EsViT, GLS
 CLS-free ViT read through its aggregation module has its own. The tables refuse to pair networks
 whose state dicts (keys, shapes) or image tokens differ. Raw pixels have a k-NN row.
 
+A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from its
+checkpoint (the method script refuses changed flags) and is logged as `resumed`, without a train time.
+
 Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
 each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
 cosine, constant teacher temperature 0.04, K = 1024 for every head. A checkpoint every --curve_every
