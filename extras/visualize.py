@@ -12,11 +12,8 @@ Pillow's ImageDraw for lines, dots and numbers; no plotting library):
     crops       what a training run sees: per image, the image and its 2 global and N local crops,
                 exactly as epoch 0 of a run with the same --seed and crop flags draws them (look at
                 them before tuning a recipe: is the object still there after crop, blur, solarize?)
-    curves      learning curves of extras/compare.py's runs: 20-NN top-1 and the `overlap` all-token
-                correspondence accuracy against training steps, one line per row (the seeds that
-                evaluated their kept checkpoints: one seed, or their mean with their range as bars;
-                the title says which); step 0 is the row's own network at random init; one colour,
-                dash and marker per row in every picture
+    curves      extras/compare.py's learning curves (20-NN, `overlap` correspondence) against steps, a row in
+                one style everywhere, the seeds that kept checkpoints (mean, range bars), raw pixels as a level
 
     python extras/visualize.py attention --pretrained_weights runs/dino/checkpoint.pth --image photo.jpg --output attention.png
     python extras/visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth --dataset synthetic \
@@ -59,8 +56,7 @@ PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 13
 # ================================================================================================
 def to_uint8(view, size):
     """A normalised view [3, H, W] -> uint8 [3, size, size] (ImageNet normalisation undone)."""
-    mean = torch.tensor(common.IMAGENET_MEAN, device=view.device)[:, None, None]
-    std = torch.tensor(common.IMAGENET_STD, device=view.device)[:, None, None]
+    mean, std = (torch.tensor(v, device=view.device)[:, None, None] for v in (common.IMAGENET_MEAN, common.IMAGENET_STD))
     image = F.interpolate((view.float() * std + mean)[None], size=(size, size), mode="bilinear",
                           align_corners=False, antialias=True)[0]
     return (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
@@ -190,8 +186,7 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
     to its teacher token, top row by cosine similarity of the backbone tokens, bottom row by
     nearest centre in the original image (pairs over GLSD's distance threshold not drawn)."""
     t_view, s_view = crops[0], crops[student_crop]
-    _, t_grid = teacher.forward_dense(t_view[None])
-    _, s_grid = student.forward_dense(s_view[None])
+    (_, t_grid), (_, s_grid) = teacher.forward_dense(t_view[None]), student.forward_dense(s_view[None])
     t_hw, s_hw = tuple(t_grid.shape[1:3]), tuple(s_grid.shape[1:3])
     similar = similarity_matches(s_grid.flatten(0, 2), t_grid.flatten(0, 2))
     nearest, kept = geometric_matches(geometry[student_crop], s_hw, geometry[0], t_hw)
@@ -262,14 +257,12 @@ def curves_title(series, data, phase, variant):
 
 
 def draw_marker(draw, shape, x, y, colour, r=3):
-    if shape == "square":
-        draw.rectangle([x - r, y - r, x + r, y + r], fill=colour)
-    elif shape == "triangle":
-        draw.polygon([(x, y - r - 1), (x - r - 1, y + r), (x + r + 1, y + r)], fill=colour)
-    elif shape == "diamond":
-        draw.polygon([(x, y - r - 1), (x + r + 1, y), (x, y + r + 1), (x - r - 1, y)], fill=colour)
-    else:
-        draw.ellipse([x - r, y - r, x + r, y + r], fill=colour)
+    corners = {"square": [(x - r, y - r), (x + r, y - r), (x + r, y + r), (x - r, y + r)],
+               "triangle": [(x, y - r - 1), (x - r - 1, y + r), (x + r + 1, y + r)],
+               "diamond": [(x, y - r - 1), (x + r + 1, y), (x, y + r + 1), (x - r - 1, y)]}
+    if shape in corners:
+        return draw.polygon(corners[shape], fill=colour)
+    draw.ellipse([x - r, y - r, x + r, y + r], fill=colour)
 
 
 def draw_polyline(draw, points, colour, dash, width=2):
@@ -287,10 +280,10 @@ def draw_polyline(draw, points, colour, dash, width=2):
             t += dash[0] + dash[1]
 
 
-def curves_picture(series, title, panel=(420, 300), margin=(56, 30, 20, 40)):
+def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30, 20, 40)):
     """Two panels (the metrics of CURVES), one line per row (ROW_STYLES: colour, dash, marker), the
-    range over the drawn seeds as a vertical bar at each step, a legend below: uint8 [3, H, W].
-    margin: left, top, right, bottom of each panel's plot area."""
+    range over the drawn seeds as a vertical bar at each step, the raw pixels' 20-NN (`pixels`) as a
+    grey dashed level, a legend below: uint8 [3, H, W]. margin: left, top, right, bottom of each plot."""
     rows = sorted(series, key=lambda row: ROW_STYLES.get(row, (None, None))[1] is not None)   # dashed on top
     left, top, right, bottom = margin
     legend_height = 16 * ((len(rows) + 1) // 2) + 10
@@ -303,7 +296,9 @@ def curves_picture(series, title, panel=(420, 300), margin=(56, 30, 20, 40)):
     for p, (metric, label) in enumerate(CURVES):
         x0, y0 = p * panel[0] + left, 34 + top
         x1, y1 = (p + 1) * panel[0] - right, 34 + panel[1] - bottom
-        values = [v for rs in series.values() for _, m in rs["points"] for v in m[metric]] or [0.0, 1.0]
+        level = pixels if metric == "knn_top1" else None
+        values = [v for rs in series.values() for _, m in rs["points"] for v in m[metric]] + [level] * (level is not None) \
+            or [0.0, 1.0]
         low, high = min(values), max(values)
         pad = max(high - low, 1.0) * 0.08
         low, high = low - pad, high + pad
@@ -324,6 +319,9 @@ def curves_picture(series, title, panel=(420, 300), margin=(56, 30, 20, 40)):
             draw.line([x, y1, x, y1 + 4], fill="black")
             draw.text((x - 10, y1 + 6), str(step), fill="black")
         draw.text(((x0 + x1) / 2 - 30, y1 + 20), "training steps", fill="black")
+        if level is not None:
+            draw_polyline(draw, [(x0, xy(steps[0], level)[1]), (x1, xy(steps[0], level)[1])], (128, 128, 128), (4, 4), 1)
+            draw.text((x0 + 4, xy(steps[0], level)[1] - 12), f"raw pixels {level:.1f}", fill=(96, 96, 96))
         for row in rows:
             colour, dash, marker = ROW_STYLES.get(row, (PALETTE[0], None, "circle"))
             points = [(xy(s, m[metric][0]), xy(s, m[metric][1]), xy(s, m[metric][2])) for s, m in series[row]["points"]]
@@ -435,11 +433,14 @@ def main(args):
     if Path(args.output).is_dir():          # before any work: one line, not a traceback once the picture is drawn
         common.die(f"--output {args.output} is a folder; name the PNG file to write (e.g. {args.picture}.png in it)")
     if args.picture == "curves":
-        series = curve_series(read_json_lines(args.log), args.data, args.phase, args.variant)
+        records = read_json_lines(args.log)
+        series = curve_series(records, args.data, args.phase, args.variant)
         if not series:
             common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
                        f"--variant {args.variant} (extras/compare.py logs one for each seed in --curve_seeds)")
-        return save(curves_picture(series, curves_title(series, args.data, args.phase, args.variant)), args)
+        pixels = next((r["knn_top1"] for r in records
+                       if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")), None)
+        return save(curves_picture(series, curves_title(series, args.data, args.phase, args.variant), pixels), args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":
