@@ -241,6 +241,18 @@ def test_a_test_row_that_never_ran_on_validation_says_so():
     assert "61.0 ± 1.0 (+11.0 ± 1.0) | 61.0 ± 1.0 (+11.0 ± 1.0, not run on validation) |" in summary
 
 
+def test_long_budget_table_sets_each_row_against_the_raw_pixels_of_its_split():
+    records = fake_comparison_records()               # vit_dino 60 and 62 (test), 1.0 (val); pixels 84.59 (test)
+    assert compare.compare_tables.long_budget_table(records).startswith("No row longer than 400 steps")
+    long = [{**r, "steps": 1600, "variant": "steps1600"} for r in records if r["row"] == "vit_dino"]
+    lines = compare.compare_tables.long_budget_table(records + long).splitlines()[2:]
+    assert [line.split(" | ")[:8] for line in lines] == [
+        ["| val", "vit_dino", "steps1600", "1600", "1", "1.0 ± 0.0", "—", "—"],        # no val pixel row
+        ["| test", "vit_dino", "steps1600", "1600", "2", "61.0 ± 1.0", "+11.0 ± 1.0", "-23.6 ± 1.0 (-24.59, -22.59)"]]
+    untried = compare.compare_tables.long_budget_table(records + [r for r in long if r["phase"] == "test"]).splitlines()[2]
+    assert untried.split(" | ")[2] == "steps1600 (test only)"
+
+
 def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch, capsys):
     """A row that left a checkpoint but no log line is trained again by the same command (the method
     script resumes it) and logged without a training time (only the last process's would be known);
