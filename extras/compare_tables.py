@@ -223,7 +223,7 @@ def long_budget_table(records, data="fashion_mnist"):
     """The rows trained longer than the shared budget's 400 steps, validation first: 20-NN and its gain
     over the row's own random init, and the 20-NN minus the raw pixels' of the same split (the same
     k-NN on the pixels of the same 32 px evaluation transform), seed by seed."""
-    lines = ["| phase | row | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | minus raw pixels (seed 0, 1, ...) | "
+    lines = ["| row | phase | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | minus raw pixels (seed 0, 1, ...) | "
              "linear top-1 (%) | logged (UTC) |", "|---" * 10 + "|"]
     for phase in ("val", "test"):
         base, groups = baselines(records, data, phase), {}
@@ -235,7 +235,7 @@ def long_budget_table(records, data="fashion_mnist"):
             rs = sorted(rs, key=lambda r: r["seed"])
             below = [r["knn_top1"] - pixels for r in rs] if pixels is not None else None
             shown = variant if phase == "val" or validated(records, row, variant) else f"{variant} (test only)"
-            lines.append(f"| {phase} | {row} | {shown} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
+            lines.append(f"| {row} | {phase} | {shown} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
                          f"{signed(gains(rs, base, records))} | "
                          + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})" if below else "—")
                          + f" | {cell([r.get('linear_top1') for r in rs])} | {logged_dates(rs)} |")
