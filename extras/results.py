@@ -220,10 +220,13 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
 
 
 def cell(values, digits=1):
-    """Mean ± half the range of the values that are not None; — when there are none."""
+    """Mean ± half the range of the values that are not None; one value alone (one seed) has no
+    range to show; — when there are none."""
     values = [v for v in values if v is not None]
     if not values:
         return "—"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
     return f"{statistics.mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 

@@ -177,7 +177,7 @@ def test_comparison_table_is_generated_from_the_log():
         "| — | — | no timestamp |",
         "| raw pixels | — | — | — | 84.6 | — | — | — | — | — | — | — | — | — | no timestamp |"]
     assert compare.comparison_table(records, "fashion_mnist", "val").splitlines()[2].startswith(
-        "| vit_dino | recipe | 400 | 1 | 1.0 ± 0.0 | — | — |")   # no random-init row in this phase; no linear probe
+        "| vit_dino | recipe | 400 | 1 | 1.0 | — | — |")   # no random-init row here, no linear probe; one seed: no ±
     assert compare.comparison_table(records, "shapes", "test") == "No test-phase run of the comparison on shapes is logged yet."
     blocks = compare.generated_blocks(records)
     assert blocks["commands"].splitlines()[1:3] == [
@@ -247,7 +247,7 @@ def test_long_budget_table_sets_each_row_against_the_raw_pixels_of_its_split():
     long = [{**r, "steps": 1600, "variant": "steps1600"} for r in records if r["row"] == "vit_dino"]
     lines = compare.compare_tables.long_budget_table(records + long).splitlines()[2:]
     assert [line.split(" | ")[:8] for line in lines] == [
-        ["| vit_dino", "val", "steps1600", "1600", "1", "1.0 ± 0.0", "—", "—"],        # no val pixel row
+        ["| vit_dino", "val", "steps1600", "1600", "1", "1.0", "—", "—"],              # no val pixel row
         ["| vit_dino", "test", "steps1600", "1600", "2", "61.0 ± 1.0", "+11.0 ± 1.0", "-23.6 ± 1.0 (-24.59, -22.59)"]]
     untried = compare.compare_tables.long_budget_table(records + [r for r in long if r["phase"] == "test"]).splitlines()[2]
     assert untried.split(" | ")[2] == "steps1600 (test only)"
