@@ -323,7 +323,8 @@ def generated_blocks(records):
     blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
                   added=compare_tables.added_table(records),
                   differences_fashion_mnist_8k=differences_table(records, "fashion_mnist_8k"),
-                  long_budget=compare_tables.long_budget_table(records))
+                  long_budget=compare_tables.long_budget_table(records),
+                  long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)))
     commands = reproducing_commands(records)
     blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
     return blocks

@@ -192,17 +192,28 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
     return found
 
 
-def differences_table(records, data="fashion_mnist"):
-    """What a method adds over DINO on the same backbone, 20-NN and linear probe, seed by seed."""
-    lines = ["| backbone | row | seeds | 20-NN gain | minus DINO's (seed 0, 1, ...) | linear gain | "
-             "minus DINO's (seed 0, 1, ...) |",
-             "|---|---|---|---|---|---|---|"]
-    for row, (seeds, by_key) in differences(records, data).items():
-        cells = []
-        for mine, diffs in by_key.values():
-            cells += [signed(mine), signed(diffs) + (f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else "")]
-        lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {seeds} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) if len(lines) > 2 else f"No test-phase method row on {data} is logged yet."
+def differences_table(records, data="fashion_mnist", runs=(("test", "recipe"),)):
+    """What a method adds over DINO on the same backbone, 20-NN and linear probe, seed by seed, for
+    each (phase, variant) of `runs` (a phase and a variant column when there are several)."""
+    several = len(runs) > 1
+    lines = ["| backbone | row | " + ("phase | variant | " if several else "") + "seeds | 20-NN gain | minus DINO's "
+             "(seed 0, 1, ...) | linear gain | minus DINO's (seed 0, 1, ...) |", "|---" * (7 + 2 * several) + "|"]
+    for phase, variant in runs:
+        for row, (seeds, by_key) in differences(records, data, phase, variant).items():
+            cells = []
+            for mine, diffs in by_key.values():
+                cells += [signed(mine), signed(diffs) + (f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else "")]
+            marked = variant if phase == "val" or validated(records, row, variant) else f"{variant} (test only)"
+            run = f"{phase} | {marked} | " if several else ""
+            lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {run}{seeds} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else f"No method row with its DINO row on {data} is logged yet."
+
+
+def long_runs(records, data="fashion_mnist"):
+    """(phase, variant) of every comparison run longer than the shared 400 steps, validation first."""
+    return sorted({(r["phase"], r["variant"]) for r in records if r["data"] == data and r["steps"] > 400},
+                  key=lambda run: (run[0] != "val", run[1]))
 
 
 def added_table(records):

@@ -253,6 +253,20 @@ def test_long_budget_table_sets_each_row_against_the_raw_pixels_of_its_split():
     assert untried.split(" | ")[2] == "steps1600 (test only)"
 
 
+def test_long_budget_differences_pair_each_seed_with_dino_at_the_same_budget():
+    records = fake_comparison_records()                # vit_dino 60 and 62 over random inits of 50 (test)
+    long = [{**r, "steps": 1600, "variant": "steps1600"} for r in records if r["row"] == "vit_dino"]
+    esvit = [{**r, "row": "vit_esvit", "knn_top1": r["knn_top1"] + 3.0 - r["seed"], "linear_top1": None}
+             for r in long if r["phase"] == "test"]
+    runs = compare.compare_tables.long_runs(records + long + esvit)
+    assert runs == [("val", "steps1600"), ("test", "steps1600")]
+    lines = compare.differences_table(records + long + esvit, runs=runs).splitlines()
+    assert lines[0].startswith("| backbone | row | phase | variant | seeds |")
+    assert lines[2:] == ["| `vit_pico` | vit_esvit | test | steps1600 (test only) | 2 | +13.5 ± 0.5 "
+                         "| +2.5 ± 0.5 (+3.0, +2.0) | — | — |"]             # no val esvit row: no val line
+    assert compare.differences_table(records, runs=[]).startswith("No method row")
+
+
 def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch, capsys):
     """A row that left a checkpoint but no log line is trained again by the same command (the method
     script resumes it) and logged without a training time (only the last process's would be known);
