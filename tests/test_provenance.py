@@ -77,14 +77,16 @@ IDENTITY = {"seed", "steps", "step", "epoch", "network", "args"}    # what names
 
 
 def scaled(value, key=""):
-    """Every logged number not in IDENTITY times a factor of its key (ratios of two keys change too)."""
+    """Every logged number not in IDENTITY times a factor of its key: a power of 3.7 (from 3.7 up), so
+    that no rounded figure can stay the same, and a ratio of two keys (h / ln K) moves by a power of
+    3.7 too (a factor like 5.8 / 5.0 could leave a small figure's rounding unchanged)."""
     if isinstance(value, dict):
         return {k: v if k in IDENTITY else scaled(v, k) for k, v in value.items()}
     if isinstance(value, list):
         return [scaled(v, key) for v in value]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
-    factor = 3.7 + sum(map(ord, key)) % 37 / 10      # >= 3.7: no rounded figure can stay the same
+    factor = 3.7 ** (1 + sum(map(ord, key)) % 37)
     return round(value * factor) if isinstance(value, int) else value * factor
 
 
