@@ -22,6 +22,8 @@ whose state dicts (keys, shapes) or image tokens differ. Raw pixels have a k-NN 
 
 A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from its
 checkpoint (the method script refuses changed flags) and is logged as `resumed`, without a train time.
+With --relog a row whose lines were written before stamps existed runs again with the same command;
+its stamped line replaces them in the tables, and the `relogged` block shows both figures.
 
 Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
 each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
@@ -318,13 +320,15 @@ def reproducing_commands(records):
 
 
 def generated_blocks(records):
+    records, relogged = compare_tables.current(records)
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
     blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
                   added=compare_tables.added_table(records),
                   differences_fashion_mnist_8k=differences_table(records, "fashion_mnist_8k"),
                   long_budget=compare_tables.long_budget_table(records),
-                  long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)))
+                  long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)),
+                  relogged=compare_tables.relogged_table(relogged))
     commands = reproducing_commands(records)
     blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
     return blocks
@@ -347,6 +351,9 @@ def get_args_parser():
     p.add_argument("--add_linear", action="store_true",
                    help="train nothing: probe the kept checkpoints of the logged --rows and --seeds that have no "
                         "linear top-1 yet (run with --skip_linear), and write it into their log lines")
+    p.add_argument("--relog", action="store_true",
+                   help="run again the --rows and --seeds whose log lines have no timestamp (written before stamps "
+                        "existed): the stamped line replaces them in the tables, which show both figures")
     p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
     p.add_argument("--work_dir", default="runs/compare", help="output directories of the runs")
@@ -380,7 +387,8 @@ def main():
         # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0
         pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)
         for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
-            if any(log_key(r) == (args.data, row, args.variant, args.phase, seed) for r in logged):
+            lines = [r for r in logged if log_key(r) == (args.data, row, args.variant, args.phase, seed)]
+            if lines and not (args.relog and not any(r.get("utc") for r in lines)):
                 print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
                 continue
             record = run_row(row, args, seed)

@@ -6,7 +6,8 @@ is a row's value minus that of its own network at random initialisation (same se
 `baseline_row`), a difference between methods is the difference of their gains seed by seed; both
 are rounded only when written. A pairing of two different networks (state-dict keys and shapes, or
 image token: provenance.network_signature) is refused with one line. Lines logged before stamps
-existed are marked "no timestamp".
+existed are marked "no timestamp"; once their row is run again (`compare.py --relog`) the stamped
+line replaces them, and `relogged_table` sets the two side by side.
 """
 import json
 import statistics
@@ -45,6 +46,30 @@ def baseline_row(row):
 def log_key(record):
     """What names a row's line in the log: (data, row, variant, phase, seed)."""
     return tuple(record.get(k) for k in ("data", "row", "variant", "phase", "seed"))
+
+
+def current(records):
+    """(the log's lines the tables show, [(a line without a timestamp, its row run again and stamped)]):
+    `compare.py --relog` runs the rows of such lines again with the same command."""
+    return provenance.superseded(records, log_key)
+
+
+def relogged_table(pairs):
+    """Each line logged again with its stamp: its figures then and now, now minus then, and the precision
+    each trained in (a random-init row trains nothing: —)."""
+    lines = ["| row | data | phase | variant | seed | 20-NN top-1 (%): then, now | now minus then | "
+             "linear top-1 (%): then, now | now minus then | precision: then, now | logged again (UTC) |",
+             "|---" * 11 + "|"]
+    for old, new in pairs:
+        cells = []
+        for key in ("knn_top1", "linear_top1"):
+            then, now = old.get(key), new.get(key)
+            cells += [f"{then:.2f}, {now:.2f}", f"{now - then:+.2f}"] if None not in (then, now) else ["—", "—"]
+        precision = "—" if new.get("random_init") else f"{old.get('precision', 'not logged')}, {new.get('precision')}"
+        lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | {new['seed']} | "
+                     + " | ".join(cells) + f" | {precision} | {logged_dates([new])} |")
+    return "\n".join(lines) if pairs else ("No line logged without a timestamp has been run again yet "
+                                          "(`python extras/compare.py --relog ...`).")
 
 
 def network_of(record, records):

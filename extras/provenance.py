@@ -3,7 +3,8 @@ extras/results.py and extras/quickstart.py; not a script).
 
 - `stamp(started)`: what every new JSON line of a log records beside its numbers: the UTC times,
   the commit (and the tracked files that differed from it), and the machine (CPU model, cores,
-  threads per process, load average at the start and at the end).
+  threads per process, load average at the start and at the end). `superseded`: a line written
+  before stamps existed gives way to the same work run again, stamped.
 - `network_signature(ckpt)`: the network an evaluation reads from a checkpoint, as eval_knn.py
   rebuilds it: its image token (the backbone's, or SelfPatch's class-attention module "ca_head")
   and a digest of its state dict's keys and shapes. Two rows may be paired (a gain over random
@@ -73,6 +74,14 @@ def stamp(started):
                         "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),   # what results.run gives each command
                         "load_average_start": started["load_average_start"], "load_average_end": load_average(),
                         "torch": torch.__version__, "python": platform.python_version()}}
+
+
+def superseded(records, key):
+    """(the lines to show, [(a line without a timestamp, the stamped line of its `key` that supersedes
+    it)]): a line written before stamps existed gives way to the same work run again and stamped."""
+    stamped = {key(r): r for r in records if r.get("utc")}
+    shown = [r for r in records if r.get("utc") or key(r) not in stamped]
+    return shown, [(r, stamped[key(r)]) for r in records if not r.get("utc") and key(r) in stamped]
 
 
 def when(record):

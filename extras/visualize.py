@@ -345,8 +345,10 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
 
 
 def read_json_lines(path):
-    """extras/compare.py's log; one line and exit 1 for anything else (a training log.txt, a binary file)."""
-    return provenance.read_log(path, ("data", "row", "variant", "phase", "seed"))
+    """extras/compare.py's log, as its tables show it (a stamped line supersedes an unstamped one of
+    its key); one line and exit 1 for anything else (a training log.txt, a binary file)."""
+    keys = ("data", "row", "variant", "phase", "seed")
+    return provenance.superseded(provenance.read_log(path, keys), lambda r: tuple(r[k] for k in keys))[0]
 
 
 # ================================================================================================

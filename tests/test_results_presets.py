@@ -300,6 +300,44 @@ def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch
     assert capsys.readouterr().out.count("logged already") == 2
 
 
+def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_replaces_it(tmp_path, monkeypatch, capsys):
+    """--relog runs again only the rows whose every line lacks a timestamp; the tables, the pictures'
+    reader and the commands then see the stamped line alone, and the relogged block shows both."""
+    log = tmp_path / "log.jsonl"
+    unstamped = [r for r in fake_comparison_records() if r["phase"] == "test" and r["row"] in ("vit_dino", "vit_random")]
+    relogged_already = {**{k: v for k, v in unstamped[2].items() if k != "linear_top1"}, "knn_top1": 61.5,
+                        "utc": "2026-11-26T10:00:00Z", "precision": "bf16"}
+    log.write_text("".join(json.dumps(r) + "\n" for r in unstamped + [relogged_already]))
+    ran = []
+
+    def fake_run_row(row, args, seed):
+        ran.append((row, seed))
+        return {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
+                "steps": args.steps, "knn_top1": 64.25, "linear_top1": 69.0, "utc": "2026-11-26T11:00:00Z",
+                "precision": "bf16", "network": NETWORK, "backbone": "vit", "correspondence": unstamped[0]["correspondence"]}
+    monkeypatch.setattr(compare, "run_row", fake_run_row)
+    monkeypatch.setattr(compare.os, "chdir", lambda path: None)
+    argv = ["compare.py", "--phase", "test", "--rows", "vit_dino", "--seeds", "0", "1", "--log", str(log)]
+    monkeypatch.setattr(sys, "argv", argv)
+    compare.main()                                      # logged, stamped or not: nothing runs
+    monkeypatch.setattr(sys, "argv", argv + ["--relog"])
+    compare.main()
+    assert ran == [("vit_dino", 0)]                     # seed 1 has a stamped line already
+    records = results.read_log(log)
+    shown, pairs = compare.compare_tables.current(records)
+    assert [(r["row"], r["seed"], r["knn_top1"]) for r in shown] == [
+        ("vit_random", 0, 50.0), ("vit_random", 1, 50.0), ("vit_dino", 1, 61.5), ("vit_dino", 0, 64.25)]
+    assert [(old["knn_top1"], new["knn_top1"]) for old, new in pairs] == [(60.0, 64.25), (62.0, 61.5)]
+    blocks = compare.generated_blocks(records)
+    assert blocks["relogged"].splitlines()[2:] == [
+        "| vit_dino | fashion_mnist | test | recipe | 0 | 60.00, 64.25 | +4.25 | 70.00, 69.00 | -1.00 | not logged, bf16 "
+        "| 2026-11-26 |",
+        "| vit_dino | fashion_mnist | test | recipe | 1 | 62.00, 61.50 | -0.50 | — | — | not logged, bf16 | 2026-11-26 |"]
+    assert "| vit_dino | recipe (test only) | 400 | 2 | 62.9 ± 1.4 |" in blocks["fashion_mnist_test"]   # (61.5 + 64.25) / 2
+    assert len(visualize.read_json_lines(log)) == 4                 # the curves read what the tables show
+    assert compare.generated_blocks(unstamped)["relogged"].startswith("No line logged without a timestamp")
+
+
 def test_comparison_md_is_what_table_generates_from_the_log():
     log = results.ROOT / "docs" / "data" / "compare_32px.jsonl"
     records = results.read_log(log) if log.exists() else []
