@@ -386,9 +386,27 @@ def variant_flags(variant, extra):
     return tail + (f' --extra "{extra}"' if extra else "")
 
 
+def log_key(record):
+    return record["run"], record.get("variant", "recipe"), record["phase"], record["seed"]
+
+
+def relogged_table(pairs):
+    """Each run logged again with its stamp (--relog): its top-1 and random-init top-1 then and now."""
+    lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init (%): then, now | "
+             "logged again (UTC) |", "|---" * 8 + "|"]
+    for old, new in pairs:
+        base = (f"{old['random_init_top1']:.2f}, {new['random_init_top1']:.2f}"
+                if "random_init_top1" in old and "random_init_top1" in new else "—")
+        lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | {new['seed']} | "
+                     f"{old['top1']:.2f}, {new['top1']:.2f} | {new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
+    return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again yet "
+                                          "(`python extras/results.py --relog ...`).")
+
+
 def generated_blocks(records):
-    """{block name: markdown} of docs/RESULTS.md."""
-    blocks = {}
+    """{block name: markdown} of docs/RESULTS.md; a stamped line supersedes the unstamped ones of its run."""
+    records, relogged = provenance.superseded(records, log_key)
+    blocks = {"relogged": relogged_table(relogged)}
     for phase in ("test", "val"):
         text = table(records, phase)
         comparison = paired_difference(records, phase)
@@ -424,6 +442,9 @@ def get_args_parser():
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
+    p.add_argument("--relog", action="store_true",
+                   help="run again the --runs and --seeds whose log lines have no timestamp (written before stamps "
+                        "existed): the stamped line replaces them in the tables, which show both figures")
     p.add_argument("--work_dir", default="runs/results", help="output directories of the runs")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
                    help="one JSON line per (run, variant, phase, seed) is appended here")
@@ -436,11 +457,13 @@ def main():
     args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
-    logged = {(r["run"], r.get("variant", "recipe"), r["phase"], r["seed"]) for r in read_log(args.log)} \
-        if args.runs and Path(args.log).is_file() else set()
+    logged = {}                 # key: whether one of its lines is stamped
+    for r in read_log(args.log) if args.runs and Path(args.log).is_file() else []:
+        logged[log_key(r)] = logged.get(log_key(r), False) or bool(r.get("utc"))
     for name in args.runs:
         for seed in args.seeds if name != "pixels" else [0]:
-            if (name, args.variant, args.phase, seed) in logged:     # a relaunch goes on where it stopped
+            key = (name, args.variant, args.phase, seed)
+            if key in logged and (logged[key] or not args.relog):     # a relaunch goes on where it stopped
                 print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir)

@@ -37,6 +37,32 @@ def test_table_reports_mean_half_range_and_gain_over_random_init_per_phase():
                          "| raw pixels | — | — | 84.6 | — | — | — | — | no timestamp |"]
 
 
+def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_replaces_them(tmp_path, monkeypatch):
+    log = tmp_path / "log.jsonl"
+    old = [{"run": "dino", "variant": "recipe", "phase": "test", "seed": seed, "top1": 60.0 + seed,
+            "random_init_top1": 50.0, "train_seconds": 600, "peak_memory_mb": 900,
+            "train_command": "python dino.py --seed 0"} for seed in (0, 1)]
+    stamped = {**old[1], "top1": 61.25, "utc": "2026-11-26T10:00:00Z"}
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*old, stamped]))
+    ran = []
+
+    def fake_train_and_evaluate(name, variant, extra, phase, seed, work_dir):
+        ran.append((name, seed))
+        return {**old[seed], "top1": 63.5, "random_init_top1": 50.5, "utc": "2026-11-26T11:00:00Z"}
+    monkeypatch.setattr(results, "train_and_evaluate", fake_train_and_evaluate)
+    argv = ["results.py", "--runs", "dino", "--seeds", "0", "1", "--log", str(log)]
+    monkeypatch.setattr(sys, "argv", argv)
+    results.main()                                     # every seed logged, stamped or not: nothing runs
+    monkeypatch.setattr(sys, "argv", argv + ["--relog"])
+    results.main()
+    assert ran == [("dino", 0)]                         # seed 1 was logged again already
+    blocks = results.generated_blocks(results.read_log(log))
+    assert blocks["relogged"].splitlines()[2:] == [
+        "| dino | recipe | test | 0 | 60.00, 63.50 | +3.50 | 50.00, 50.50 | 2026-11-26 |",
+        "| dino | recipe | test | 1 | 61.00, 61.25 | +0.25 | 50.00, 50.00 | 2026-11-26 |"]
+    assert "| dino | recipe | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # the stamped lines alone
+
+
 def test_drloc_comparison_is_paired_by_seed():
     records = [{"run": run, "variant": "recipe", "phase": "test", "seed": seed, "top1": top1}
                for run, seed, top1 in [("drloc", 0, 50.0), ("drloc", 1, 54.0), ("drloc", 2, 52.0), ("drloc", 3, 99.0),
