@@ -274,9 +274,10 @@ def add_linear(row, args, seed):
     """The linear probe of a logged row run with --skip_linear, on its kept checkpoint: written into
     its log line, with the command and its cost."""
     key = (args.data, row, args.variant, args.phase, seed)
-    logged = [r for r in results.read_log(args.log) if log_key(r) == key]
+    logged = [r for r in compare_tables.current(results.read_log(args.log))[0] if log_key(r) == key]
     if len(logged) != 1 or "linear_top1" in logged[0]:
         return None      # not logged (or twice), or already probed
+    stamped = bool(logged[0].get("utc"))     # the line the tables show: a relogged row's stamped one
     out, weights = row_paths(row, args, seed)
     if row in RANDOM_ROWS and not weights.is_file():
         provenance.starting_checkpoint(logged[0].get("start_of") or " ".join(train_command(row, args, seed)), weights)
@@ -291,7 +292,7 @@ def add_linear(row, args, seed):
         lines = Path(args.log).read_text().splitlines()
         for i, line in enumerate(lines):
             r = json.loads(line) if line.strip() else {}
-            if log_key(r) == key:
+            if log_key(r) == key and bool(r.get("utc")) == stamped:
                 r["linear_top1"] = top1
                 r["commands"] = r.get("commands", []) + evaluate.commands
                 for kind in ("wall_seconds", "cpu_seconds", "raw_output"):

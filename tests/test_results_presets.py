@@ -230,7 +230,8 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
         r.pop("linear_top1", None)
         r.update(commands=["python train"], wall_seconds={"train": 1.0}, cpu_seconds={"train": 2.0})
     records[0]["linear_top1"] = 70.0                               # vit_dino seed 0: already probed
-    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    relogged = {**records[3], "utc": "2026-11-26T10:00:00Z"}       # vit_random seed 1, logged again (--relog)
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*records, relogged]))
     for seed in (0, 1):
         folder = work / "fashion_mnist" / f"vit_dino_recipe_test_seed{seed}"
         folder.mkdir(parents=True)
@@ -251,11 +252,11 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
                       ("vit_random_recipe_test_seed1", "vit_random_recipe_test_seed1", True)]
     assert (work / "fashion_mnist" / "vit_random_recipe_test_seed0" / "start.pth").is_file()
     after = results.read_log(log)
-    assert [r.get("linear_top1") for r in after] == [70.0, 35.0, 34.0, 36.0, None]
+    assert [r.get("linear_top1") for r in after] == [70.0, 35.0, 34.0, None, None, 36.0]
     assert after[1]["commands"] == ["python train", "python eval_linear.py"]
     assert after[1]["cpu_seconds"] == {"train": 2.0, "linear": 3.0}
     assert set(after[1]["linear_provenance"]) >= {"utc", "commit", "machine"}
-    assert after[4] == records[4]                                 # the pixel row is untouched
+    assert after[3:5] == records[3:5]        # the pixel row, and the line that a stamped one superseded, untouched
 
 
 def test_a_test_row_that_never_ran_on_validation_says_so():
