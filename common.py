@@ -1309,10 +1309,6 @@ def run_script(main, parser, argv=None):
     args = parser.parse_args(argv)
     try:
         main(args)
-    except BadImageError as e:
-        message = "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
-        report_to_torchrun(message)
-        raise SystemExit(message) from None
     except KeyboardInterrupt:
         close_progress_bars()
         where = last_checkpoint()
@@ -1324,12 +1320,19 @@ def run_script(main, parser, argv=None):
         if isinstance(e.code, str):       # die(): a user error
             report_to_torchrun(e.code)
         raise
-    except RuntimeError as e:
+    except (RuntimeError, OSError, EOFError) as e:     # a worker killed mid-batch breaks its pipe: OSError, EOFError
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # torch's handler would raise again while this process exits
+        try:
+            torch._C._error_if_any_worker_fails()       # "DataLoader worker (pid N) is killed by signal", if one is
+        except RuntimeError as dead:
+            e = dead
         lines, where = str(e).splitlines(), last_checkpoint()
         worker = next((line.split("DataLoader worker ", 1)[1].split(". ")[0].strip(" .") for line in lines
                        if "DataLoader worker (pid" in line), "")
         peer = next((line for line in lines if any(s in line for s in PEER_LOST)), "") if is_dist() else ""
-        if worker:      # the steps since the last checkpoint are lost
+        if isinstance(e, BadImageError):
+            message = "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
+        elif worker:      # the steps since the last checkpoint are lost
             message = (f"error: a data loader worker {worker} (most likely the kernel's out-of-memory killer; its own "
                        f"error, if any, is above){where}; run the same command with fewer --num_workers (now "
                        f"{getattr(args, 'num_workers', '?')}){' to resume' if ': ' in where else ''}")

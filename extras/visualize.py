@@ -345,10 +345,8 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
 
 
 def read_json_lines(path):
-    """extras/compare.py's log, as its tables show it (a stamped line supersedes an unstamped one of
-    its key); one line and exit 1 for anything else (a training log.txt, a binary file)."""
-    keys = ("data", "row", "variant", "phase", "seed")
-    return provenance.superseded(provenance.read_log(path, keys), lambda r: tuple(r[k] for k in keys))[0]
+    """extras/compare.py's log as its tables show it (compare_tables.current); one line and exit 1 for any other file."""
+    return compare_tables.current(provenance.read_log(path, ("data", "row", "variant", "phase", "seed")))[0]
 
 
 # ================================================================================================

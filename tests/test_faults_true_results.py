@@ -3,6 +3,7 @@ resumable script (the linear probe included) records and checks what it trains, 
 checks its paths, ranges and sizes before it builds data or models, every "done" line names only
 files written in that run, and a metric over zero items is an error, not 0% or NaN. Runs are in
 process on tiny data, except where the behaviour is about processes (a killed loader worker)."""
+import argparse
 import importlib
 import json
 import os
@@ -257,6 +258,29 @@ def test_a_killed_loader_worker_is_one_line_and_the_run_resumes(tmp_path):
     epoch = torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"]
     again = run("dino.py", *flags, "--epochs", str(epoch + 1), "--num_workers", "0")
     assert again.returncode == 0 and f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {epoch}" in again.stdout
+
+
+def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeypatch):
+    """Killed while it hands a batch over, a worker leaves the main process a broken connection
+    (ConnectionResetError, seen on a loaded machine) instead of torch's RuntimeError: run_script asks
+    torch whether a loader worker died, and says so in the same line; without a dead worker the
+    error is not a loader's and stays as it is."""
+    def main(args):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def dead_worker():
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    previous = signal.getsignal(signal.SIGCHLD)
+    try:
+        monkeypatch.setattr(torch._C, "_error_if_any_worker_fails", dead_worker)
+        with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\) is killed by signal: Killed "
+                                             r"\(most likely the kernel's out-of-memory killer"):
+            common.run_script(main, argparse.ArgumentParser(), argv=[])
+        monkeypatch.setattr(torch._C, "_error_if_any_worker_fails", lambda: None)
+        with pytest.raises(ConnectionResetError):
+            common.run_script(main, argparse.ArgumentParser(), argv=[])
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
 
 
 # ------------------------------------------------------------------------------------------------
