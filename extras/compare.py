@@ -389,7 +389,7 @@ def main():
         pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)
         for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
             lines = [r for r in logged if log_key(r) == (args.data, row, args.variant, args.phase, seed)]
-            if lines and not (args.relog and not any(r.get("utc") for r in lines)):
+            if lines and (any(r.get("utc") for r in lines) or not args.relog):   # --relog: unstamped lines only
                 print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
                 continue
             record = run_row(row, args, seed)
