@@ -8,13 +8,14 @@ docs/COMPARISON.md from the log. Not collected by pytest.
     python extras/quickstart.py --data fashion_mnist_8k                 # the same 400 steps on 8000 images
     python extras/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k   # that checkpoint, 8k's bank
     python extras/quickstart.py --phase val --variant lr8 --extra "--lr 0.008" --steps 250   # a variant
+    python extras/quickstart.py --relog                                 # the lines without a stamp, again
     python extras/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
 --holdout 10000 in the val phase; it resumes (a finished run is not trained again), so a second
 --eval_data evaluates the same checkpoint. Lines logged before stamps existed are marked "no
 timestamp"; of several lines with the same (data, trained on, phase, variant), the tables show the
-last one logged.
+last one logged, and the others are listed under its table with both figures.
 """
 import argparse
 import json
@@ -54,7 +55,8 @@ def run(args):
     eval_data = compare.data_flags(args.eval_data or args.data, args.phase, args.data_dir)
     name = f"{args.variant}_{args.data}_{args.phase}_{args.steps}"
     out = Path(args.work_dir) / name
-    if (out / "checkpoint.pth").exists() and not args.eval_data:    # it would log a training that did not run
+    resumed = (out / "checkpoint.pth").exists() and not args.eval_data
+    if resumed and not args.relog:                  # it would log a training that did not run
         raise SystemExit(f"error: {out} already holds a trained run; train again with another --work_dir or "
                          f"--variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
@@ -79,19 +81,47 @@ def run(args):
             "ln_k": math.log(json.loads((out / "args.json").read_text())["out_dim"]),
             "precision": json.loads((out / "args.json").read_text()).get("precision"),
             "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)], "raw_output": raw,
-            **provenance.stamp(started)}
+            **({"resumed": True} if resumed else {}), **provenance.stamp(started)}
+
+
+def unstamped(records):
+    """The arguments that run again each (data, trained on, phase, variant) whose lines all lack a stamp."""
+    stamped = {key(r) for r in records if r.get("utc")}
+    todo = {key(r): r for r in records if key(r) not in stamped}
+    return [{"data": r.get("trained_on", r["data"]), "eval_data": None if r.get("trained_on", r["data"]) == r["data"]
+             else r["data"], "phase": r["phase"], "variant": r["variant"], "steps": r["steps"],
+             "extra": r.get("extra") or ""} for r in todo.values()]
+
+
+def key(r):
+    return r["data"], r.get("trained_on", r["data"]), r["phase"], r["variant"]
 
 
 def latest(records):
     """The last line logged per (data, trained on, phase, variant), in the order the log first holds them."""
     chosen = {}
     for r in records:
-        chosen[(r["data"], r.get("trained_on", r["data"]), r["phase"], r["variant"])] = r
+        chosen[key(r)] = r
     return list(chosen.values())
 
 
 def gain(r):
     return f"{r['knn_top1'] - r['random_init_knn_top1']:+.2f}"
+
+
+def superseded_notes(records, phase, name):
+    """One line per `phase` line that a later one of the same key replaced: its figures then and now."""
+    shown = {key(r): r for r in latest(records)}
+    notes = []
+    for r in records:
+        now = shown[key(r)]
+        if r["phase"] == phase and r is not now:
+            change = (now["knn_top1"] - now["random_init_knn_top1"]) - (r["knn_top1"] - r["random_init_knn_top1"])
+            notes.append(f"\nSuperseded: {name(r)}, {r['knn_top1']:.2f} against {r['random_init_knn_top1']:.2f} "
+                         f"({provenance.when(r)}): {r.get('note') or 'a later line has the same key'}; the line shown: "
+                         f"{now['knn_top1']:.2f} against {now['random_init_knn_top1']:.2f}, gain now minus then "
+                         f"{change:+.2f}")
+    return notes
 
 
 def variants_table(records):
@@ -103,25 +133,20 @@ def variants_table(records):
                        r.get("teacher_entropy_last_epoch") is not None else "—")
             lines.append(f"| {r['variant']} | {r['steps']} | `{r.get('extra') or '—'}` | {r['knn_top1']:.2f} | "
                          f"{r['random_init_knn_top1']:.2f} | {gain(r)} | {entropy} | {provenance.when(r)} |")
-    return "\n".join(lines)
+    return "\n".join(lines + superseded_notes(records, "val", lambda r: f"variant {r['variant']}"))
 
 
 def datasets_table(records):
     """The test-phase lines, and under the table the lines that a later one superseded."""
     lines = ["| data (k-NN bank and queries) | trained on | variant | 20-NN top-1 (%) | random init (%) | gain | "
              "raw output logged | logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
-    shown = latest(records)
-    for r in shown:
+    for r in latest(records):
         if r["phase"] == "test":
             lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | {r['knn_top1']:.2f} | "
                          f"{r['random_init_knn_top1']:.2f} | {gain(r)} | {'yes' if 'raw_output' in r else 'no'} | "
                          f"{provenance.when(r)} |")
-    for r in records:
-        if r["phase"] == "test" and not any(r is s for s in shown):
-            lines.append(f"\nSuperseded: {r['data']} trained on {r.get('trained_on', r['data'])}, {r['knn_top1']:.2f} "
-                         f"against {r['random_init_knn_top1']:.2f} ({provenance.when(r)}): "
-                         f"{r.get('note') or 'a later line has the same data, trained on and variant'}")
-    return "\n".join(lines)
+    name = lambda r: f"{r['data']} trained on {r.get('trained_on', r['data'])}"    # noqa: E731
+    return "\n".join(lines + superseded_notes(records, "test", name))
 
 
 def result_line(records):
@@ -153,6 +178,9 @@ def get_args_parser():
     p.add_argument("--work_dir", default="runs/quickstart_log", help="output directories of the runs")
     p.add_argument("--data_dir", default="runs/data", help="where compare.py's built datasets are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
+    p.add_argument("--relog", action="store_true",
+                   help="run again, with their own data, phase, steps, variant and flags, the lines of --log that "
+                        "have no timestamp (written before stamps existed); the stamped line then replaces them")
     p.add_argument("--table", action="store_true", help="run nothing: rewrite the generated blocks from --log")
     return p
 
@@ -162,14 +190,19 @@ def main():
     os.chdir(ROOT)
     if args.steps <= 0 or args.steps % 50:
         sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
-    if not args.table:
-        if "fashion_mnist_8k" in (args.data, args.eval_data):
-            compare.write_fashion_mnist_8k(args.data_dir)
-        record = run(args)
-        with compare.locked(args.log), open(args.log, "a") as f:
+    todo = [vars(args)]
+    if args.relog:
+        todo = [{**vars(args), **line} for line in unstamped(provenance.read_log(args.log, LOG_KEYS))]
+        print(f"--relog: {len(todo)} line(s) of {args.log} without a timestamp to run again", flush=True)
+    for job in todo if not args.table else []:
+        job = argparse.Namespace(**job)
+        if "fashion_mnist_8k" in (job.data, job.eval_data):
+            compare.write_fashion_mnist_8k(job.data_dir)
+        record = run(job)
+        with compare.locked(job.log), open(job.log, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"{record['data']} (trained on {record['trained_on']}) {args.variant}: 20-NN {record['knn_top1']:.2f}% "
-              f"against {record['random_init_knn_top1']:.2f}%", flush=True)
+        print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: 20-NN "
+              f"{record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%", flush=True)
     if args.table:
         blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
         texts = {path: (ROOT / path).read_text() for path in TARGETS}

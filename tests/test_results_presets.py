@@ -11,6 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras"))
 import compare  # noqa: E402
+import provenance  # noqa: E402
+import quickstart  # noqa: E402
 import results  # noqa: E402
 import visualize  # noqa: E402
 
@@ -61,6 +63,33 @@ def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_repla
         "| dino | recipe | test | 0 | 60.00, 63.50 | +3.50 | 50.00, 50.50 | 2026-11-26 |",
         "| dino | recipe | test | 1 | 61.00, 61.25 | +0.25 | 50.00, 50.00 | 2026-11-26 |"]
     assert "| dino | recipe | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # the stamped lines alone
+
+
+def test_quickstart_relog_runs_only_unstamped_keys_again_with_their_own_flags(tmp_path, monkeypatch):
+    log = tmp_path / "quickstart.jsonl"
+    line = {"data": "fashion_mnist", "trained_on": "fashion_mnist", "phase": "val", "steps": 250,
+            "knn_top1": 56.0, "random_init_knn_top1": 52.0}
+    old = [{**line, "variant": "base", "extra": "--precision bf16"}, {**line, "variant": "lr1", "extra": "--lr 0.001"},
+           {**line, "variant": "s400", "steps": 400, "knn_top1": 59.0}]
+    stamped = {**old[1], "knn_top1": 53.5, "utc": "2026-11-26T10:00:00Z"}
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*old, stamped]))
+    ran = []
+
+    def fake_run(job):
+        ran.append((job.variant, job.phase, job.steps, job.extra, job.eval_data))
+        return {**next(r for r in old if r["variant"] == job.variant), "knn_top1": 57.25, "utc": "2026-11-26T11:00:00Z"}
+    monkeypatch.setattr(quickstart, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--relog", "--log", str(log)])
+    quickstart.main()
+    assert ran == [("base", "val", 250, "--precision bf16", None), ("s400", "val", 400, "", None)]
+    table = quickstart.variants_table(provenance.read_log(log))
+    assert "| base | 250 | `--precision bf16` | 57.25 | 52.00 | +5.25 |" in table       # the stamped line shown
+    assert ("Superseded: variant s400, 59.00 against 52.00 (no timestamp): a later line has the same key; the line "
+            "shown: 57.25 against 52.00, gain now minus then -1.75") in table
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--relog", "--log", str(log)])
+    ran.clear()
+    quickstart.main()                                    # every key stamped now: nothing runs
+    assert ran == []
 
 
 def test_drloc_comparison_is_paired_by_seed():
