@@ -283,42 +283,55 @@ def paired_difference(records, phase, run="drloc", baseline="drloc_base", varian
             f"{verdict} two standard errors of the mean")
 
 
+def drloc_epochs(record):
+    """The epochs a DRLoc run trained: the last --epochs of its command (a variant's --extra overrides
+    the recipe's), else its variant's (`recipe`, `short`)."""
+    found = re.findall(r"--epochs (\d+)", record.get("train_command", ""))
+    return int(found[-1]) if found else {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}[record.get("variant", "recipe")]
+
+
 def drloc_regime(records):
     """Whether the DRLoc paper's direction holds on the small-dataset runs: a larger gain of λ = 0.5
     over λ = 0 for the Swin than for the ViT, and a larger one for shorter training; from the
-    paired differences (val phase), with what the seeds allow one to say."""
-    found = {(arch, variant): paired_difference(records, "val", f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
-             for arch in DRLOC_ARCHS for variant in ("recipe", "short")}
-    if not any(found.values()):
+    paired differences (val phase) of every logged training length, with what the seeds allow one to say."""
+    epochs = {}                                        # (arch, variant): epochs
+    for r in records:
+        arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
+        if r["run"].startswith("drloc5k_") and r["phase"] == "val" and arch in DRLOC_ARCHS:
+            epochs[arch, r.get("variant", "recipe")] = drloc_epochs(r)
+    found = {}
+    for (arch, variant), n in sorted(epochs.items(), key=lambda item: (list(DRLOC_ARCHS).index(item[0][0]), -item[1])):
+        diffs = paired_difference(records, "val", f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
+        if diffs:
+            found[arch, n] = diffs
+    if not found:
         logged = {}
         for r in records:
             if r["run"].startswith("drloc5k_") and r["phase"] == "val":
                 logged.setdefault(f"`{r['run']}` ({r.get('variant', 'recipe')})", []).append(r["seed"])
         return ("No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); logged so far: " +
                 (", ".join(f"{k} seeds {', '.join(map(str, sorted(v)))}" for k, v in logged.items()) or "nothing") + ".")
-    epochs = {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}
 
     def say(diffs):
         spread = (max(diffs) - min(diffs)) / 2
         return f"{statistics.mean(diffs):+.2f} (seeds {', '.join(f'{d:+.2f}' for d in diffs)}; ± {spread:.2f})"
 
-    lines = ["DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first 5000 train images:"]
-    for (arch, variant), diffs in found.items():
-        lines.append(f"- `{arch}`, {epochs[variant]} epochs: " + (say(diffs) if diffs else "not run (fewer than 2 seeds)"))
-
     def compare(a, b, what):
-        if not (found[a] and found[b]):
-            return f"{what}: not measured"
         gap = [x - y for x, y in zip(found[a], found[b])]
         agree = all(g > 0 for g in gap) or all(g < 0 for g in gap)
         holds = statistics.mean(gap) > 0
-        return (f"{what}: {'holds' if holds else 'does not hold'} here (gap {say(gap)}; "
+        return (f"- {what}: {'holds' if holds else 'does not hold'} here (gap {say(gap)}; "
                 f"{'the same sign with every seed' if agree else 'the seeds disagree: within seed noise'})")
-    lines.append("- " + compare(("swin", "recipe"), ("vit", "recipe"), f"a larger gain for the Swin than for the ViT "
-                                                                        f"({DRLOC_EPOCHS} epochs)"))
+    lines = ["DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first 5000 train images:"]
+    lines += [f"- `{arch}`, {n} epochs: {say(diffs)}" for (arch, n), diffs in found.items()]
+    lengths = sorted({n for _, n in found}, reverse=True)
+    lines += [compare(("swin", n), ("vit", n), f"a larger gain for the Swin than for the ViT ({n} epochs)")
+              for n in lengths if ("swin", n) in found and ("vit", n) in found]
     for arch in DRLOC_ARCHS:
-        lines.append("- " + compare((arch, "short"), (arch, "recipe"), f"a larger gain for shorter training (`{arch}`, "
-                                                                        f"{DRLOC_EPOCHS // 3} against {DRLOC_EPOCHS} epochs)"))
+        mine = sorted(n for a, n in found if a == arch)
+        if len(mine) > 1:
+            lines.append(compare((arch, mine[0]), (arch, mine[-1]), f"a larger gain for shorter training (`{arch}`, "
+                                                                    f"{mine[0]} against {mine[-1]} epochs)"))
     return "\n".join(lines)
 
 

@@ -502,3 +502,10 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
     assert "(`vit`, 2 against 6 epochs): does not hold here (gap -0.25 (seeds -1.00, +0.50; ± 0.75); " \
            "the seeds disagree: within seed noise)" in text                       # +0.5 against +0.75
     assert results.drloc_regime(records[:2]).startswith("No paired difference yet")
+    longer = [{**r, "variant": "epochs30", "top1": r["top1"] + (0.0 if r["run"].endswith("_base") else 1.0),
+               "train_command": f"python drloc.py --epochs 6 --arch a --epochs 30 --seed {r['seed']}"}
+              for r in records if r["variant"] == "recipe"]        # a longer variant: its --epochs, the last one
+    text = results.drloc_regime(records + longer)
+    assert "- `swin`, 30 epochs: +3.50 (seeds +4.00, +3.00; ± 0.50)" in text
+    assert "(`swin`, 2 against 30 epochs): holds here (gap +1.00" in text        # +4.5 against +3.5
+    assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
