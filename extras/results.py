@@ -300,9 +300,10 @@ def drloc_regime(records):
         if r["run"].startswith("drloc5k_") and r["phase"] == "val" and arch in DRLOC_ARCHS:
             epochs[arch, r.get("variant", "recipe")] = drloc_epochs(r)
     found = {}
-    for (arch, variant), n in sorted(epochs.items(), key=lambda item: (list(DRLOC_ARCHS).index(item[0][0]), -item[1])):
+    order = lambda item: (list(DRLOC_ARCHS).index(item[0][0]), -item[1], item[0][1] != "recipe")   # noqa: E731
+    for (arch, variant), n in sorted(epochs.items(), key=order):     # one variant per length: the recipe's first
         diffs = paired_difference(records, "val", f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
-        if diffs:
+        if diffs and (arch, n) not in found:
             found[arch, n] = diffs
     if not found:
         logged = {}

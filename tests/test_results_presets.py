@@ -505,7 +505,10 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
     longer = [{**r, "variant": "epochs30", "top1": r["top1"] + (0.0 if r["run"].endswith("_base") else 1.0),
                "train_command": f"python drloc.py --epochs 6 --arch a --epochs 30 --seed {r['seed']}"}
               for r in records if r["variant"] == "recipe"]        # a longer variant: its --epochs, the last one
-    text = results.drloc_regime(records + longer)
+    other = [{**r, "variant": "lr", "top1": 0.0, "train_command": "python drloc.py --epochs 6 --lr 1"}
+             for r in records if r["variant"] == "recipe"]             # another variant at the recipe's length
+    text = results.drloc_regime(records + longer + other)
     assert "- `swin`, 30 epochs: +3.50 (seeds +4.00, +3.00; ± 0.50)" in text
     assert "(`swin`, 2 against 30 epochs): holds here (gap +1.00" in text        # +4.5 against +3.5
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
+    assert "- `swin`, 6 epochs: +2.50 (seeds +3.00, +2.00; ± 0.50)" in text       # the recipe's, not `lr`'s
