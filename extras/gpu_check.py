@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
 TORCH_DIR = os.path.dirname(torch.__file__)
+CUDA_SYNC = "called a synchronizing CUDA operation"   # not the once-only 'Synchronization debug mode is a prototype'
 HOST_SIDE = tuple(os.path.join(TORCH_DIR, d, "") for d in ("optim", "amp"))   # torch's reads of host tensors
 aten = torch.ops.aten
 
@@ -61,7 +62,7 @@ class SyncCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.count, self.sites, self.saved, self.cuda, self.caught = 0, {}, {}, None, None
+        self.count, self.sites, self.saved, self.cuda, self.cuda_sites, self.caught = 0, {}, {}, None, {}, None
 
     def note(self):
         frame = sys._getframe(2)
@@ -101,11 +102,24 @@ class SyncCounter(TorchDispatchMode):
         for name in ("tensor", "as_tensor"):
             self.patch(torch, name, lambda *a, device=None, **k: device is not None)
         if torch.cuda.is_initialized():           # and CUDA's own count: a warning at every synchronising call
-            self.caught = warnings.catch_warnings(record=True)
-            self.warned = self.caught.__enter__()
+            self.caught = warnings.catch_warnings()
+            self.caught.__enter__()
             warnings.simplefilter("always")
+            self.cuda, shown = 0, warnings.showwarning
+            warnings.showwarning = lambda message, *a, **k: self.cuda_warned() if CUDA_SYNC in str(message) \
+                else shown(message, *a, **k)
             torch.cuda.set_sync_debug_mode(1)
         return super().__enter__()
+
+    def cuda_warned(self):
+        """CUDA's warning of a synchronising call, named by the first line outside torch, the warnings
+        module and this file that led to it (the loader's pin-memory thread too)."""
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith((TORCH_DIR, warnings.__file__, __file__)):
+            frame = frame.f_back
+        site = "?" if frame is None else f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno}"
+        self.cuda += 1
+        self.cuda_sites[site] = self.cuda_sites.get(site, 0) + 1
 
     def __exit__(self, *exc):
         for (owner, name), original in self.saved.items():
@@ -114,7 +128,7 @@ class SyncCounter(TorchDispatchMode):
         if self.caught:
             torch.cuda.set_sync_debug_mode(0)
             self.caught.__exit__(*exc)
-            self.cuda, self.caught = sum("synchroniz" in str(w.message) for w in self.warned), None
+            self.caught = None
         return super().__exit__(*exc)
 
 
@@ -134,7 +148,8 @@ class Probe:
     def stop_counting(self, keep=True):
         if self.counter:
             self.counter.__exit__(None, None, None)
-            self.syncs += [{"counter": self.counter.count, "cuda": self.counter.cuda, "sites": self.counter.sites}] * keep
+            self.syncs += [{"counter": self.counter.count, "cuda": self.counter.cuda, "sites": self.counter.sites,
+                            "cuda_sites": self.counter.cuda_sites}] * keep
             self.counter = None
 
     def clock(self, iterator):
@@ -354,7 +369,9 @@ def training(part, out, form, problems):
         allowed = SYNCS_PER_STEP[part.script]
         if counter > allowed or (cuda and max(cuda) > allowed + (args["precision"] == "fp16")):
             sites = {k: v for s in report["syncs"] for k, v in s["sites"].items()}
-            problems.append(f"more than {allowed} host sync(s) per step (counted at {sites})")
+            cuda_sites = {k: v for s in report["syncs"] for k, v in s.get("cuda_sites", {}).items()}
+            problems.append(f"more than {allowed} host sync(s) per step (counted at {sites}"
+                            + (f"; CUDA's at {cuda_sites}" if cuda_sites else "") + ")")
     return text, step
 
 

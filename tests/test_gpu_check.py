@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,29 @@ def test_sync_counter_counts_what_would_wait_for_a_gpu():
     assert len(counter.sites) == 2 and {site.split(":")[0] for site in counter.sites} == {"tests/test_gpu_check.py"}
     assert torch.Tensor.tolist is original
 
+
+
+def test_cuda_count_takes_only_cudas_sync_warnings_and_names_their_lines(monkeypatch):
+    """On a GPU the counter also counts CUDA's own warnings (`set_sync_debug_mode(1)`). Faked here: turning
+    the mode on makes torch warn once that it is a prototype, which the first GPU run (H200) took for a
+    sync; only 'called a synchronizing CUDA operation' counts, named by the line that made the call."""
+    def set_mode(mode):
+        if mode:
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                          "synchronizing operations")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    shown = warnings.showwarning
+
+    def synchronising_call():
+        warnings.warn(gpu_check.CUDA_SYNC)
+    with gpu_check.SyncCounter() as counter:
+        synchronising_call(), synchronising_call()
+        with pytest.warns(UserWarning, match="another warning"):         # other warnings pass through
+            warnings.warn("another warning")
+    line = synchronising_call.__code__.co_firstlineno + 1
+    assert counter.cuda == 2 and counter.cuda_sites == {f"tests/test_gpu_check.py:{line}": 2}
+    assert warnings.showwarning is shown
 
 def test_cpu_form_every_part_passes_with_one_sync_per_step(tmp_path):
     """The reduced form of the GPU check, as CI runs it. Every part passes; each method's training step
