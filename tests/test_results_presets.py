@@ -512,3 +512,27 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
     assert "(`swin`, 2 against 30 epochs): holds here (gap +1.00" in text        # +4.5 against +3.5
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
     assert "- `swin`, 6 epochs: +2.50 (seeds +3.00, +2.00; ± 0.50)" in text       # the recipe's, not `lr`'s
+
+
+def test_a_training_stopped_by_a_preemption_signal_is_neither_evaluated_nor_logged(tmp_path, monkeypatch):
+    """A method script that receives SIGTERM writes its checkpoint and exits 0 (to be resumed): the
+    drivers read its log.txt and refuse to evaluate or log the half-trained network."""
+    calls = []
+
+    def preempted_training(cmd, log_path):
+        calls.append(cmd)
+        out = Path(log_path).parent
+        (out / "args.json").write_text(json.dumps({"epochs": 8, "precision": "fp32"}))
+        (out / "log.txt").write_text("".join(json.dumps({"epoch": e, "peak_memory_mb": 1.0}) + "\n" for e in range(3)))
+        log_path.write_text("received SIGTERM: checkpoint written to ...; run the same command again to resume\n")
+        return log_path.read_text()
+    monkeypatch.setattr(results, "run", preempted_training)
+    args = compare.get_args_parser().parse_args(["--work_dir", str(tmp_path), "--rows", "swin_dino"])
+    with pytest.raises(SystemExit, match=r"stopped after 3 of 8 epochs .*run the same command again"):
+        compare.run_row("swin_dino", args, 0)
+    assert len(calls) == 1 and "dino.py" in calls[0][1]          # the training ran; no evaluation after it
+    out = Path(calls[0][-1])
+    with pytest.raises(SystemExit, match="stopped after 3 of 8 epochs"):
+        results.check_trained(["python", "dino.py"], out)
+    (out / "log.txt").write_text("".join(json.dumps({"epoch": e}) + "\n" for e in range(8)))
+    results.check_trained(["python", "dino.py"], out)             # the last epoch logged: finished
