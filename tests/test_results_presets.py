@@ -336,7 +336,7 @@ def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch
     def fake_call(self, args, log_name):
         calls.append((self.out.name, log_name))
         self.wall_seconds["train"] = self.cpu_seconds["train"] = 5.0
-        (self.out / "args.json").write_text(json.dumps({"precision": "bf16"}))
+        (self.out / "args.json").write_text(json.dumps({"precision": "bf16", "epochs": 1}))
         (self.out / "log.txt").write_text(json.dumps({"epoch": 0, "loss": 1.0, "peak_memory_mb": 10}) + "\n")
     monkeypatch.setattr(compare.Evaluator, "call", fake_call)
     for name, value in (("knn", 60.0), ("correspondence", {}), ("collapse", {})):
