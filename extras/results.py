@@ -120,7 +120,7 @@ def check_trained(cmd, out):
     log = Path(out) / "log.txt"
     done = [json.loads(line)["epoch"] for line in log.read_text().splitlines()] if log.exists() else []
     if not done or done[-1] != planned - 1:
-        sys.exit(f"error: {' '.join(cmd)} stopped after {len(done)} of {planned} epochs (a preemption signal?); "
+        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} epochs (a preemption signal?); "
                  f"nothing is logged: run the same command again to resume from {Path(out) / 'checkpoint.pth'}")
 
 
