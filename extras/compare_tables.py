@@ -129,6 +129,18 @@ def validated(records, row, variant):
     return any((r["phase"], r["row"], r["variant"]) == ("val", row, variant) for r in records)
 
 
+def train_minutes(rs):
+    """The seeds' train times: mean ± half-range, or each seed's with its thread count where the seeds
+    trained on different numbers of threads (a mean of the two would describe neither)."""
+    if not all("train_seconds" in r for r in rs):
+        return "—"
+    threads = [r.get("machine", {}).get("threads") for r in rs]
+    if len(set(threads)) == 1:
+        return cell([r["train_seconds"] / 60 for r in rs])
+    return ", ".join(f"{r['train_seconds'] / 60:.1f} ({t or '?'} thread{'' if t == 1 else 's'})"
+                     for r, t in zip(rs, threads))
+
+
 def comparison_table(records, data, phase):
     """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
     the variants and ROWS' order within one."""
@@ -158,7 +170,7 @@ def comparison_table(records, data, phase):
             overlap = cell([c["overlap"]["accuracy"] for c in corr])
             entropy = [cell([r[k] / r["ln_k"] for r in rs], 2) if all(k in r for r in rs) else "—"
                        for k in ("teacher_entropy", "mean_target_entropy")]
-            minutes = cell([r["train_seconds"] / 60 for r in rs]) if all("train_seconds" in r for r in rs) else "—"
+            minutes = train_minutes(rs)
             memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
             lines.append(f"| {row} | {shown} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
                          f"{signed(knn_gain)} | {cell([r.get('linear_top1') for r in rs])} | {signed(linear_gain)} | "

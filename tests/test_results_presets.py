@@ -536,3 +536,10 @@ def test_a_training_stopped_by_a_preemption_signal_is_neither_evaluated_nor_logg
         results.check_trained(["python", "dino.py"], out)
     (out / "log.txt").write_text("".join(json.dumps({"epoch": e}) + "\n" for e in range(8)))
     results.check_trained(["python", "dino.py"], out)             # the last epoch logged: finished
+
+
+def test_train_times_of_seeds_on_different_thread_counts_are_shown_per_seed():
+    one, two = ({"train_seconds": 600.0, "machine": {"threads": 1}}, {"train_seconds": 330.0, "machine": {"threads": 2}})
+    assert compare.compare_tables.train_minutes([one, {**one, "train_seconds": 720.0}]) == "11.0 ± 1.0"
+    assert compare.compare_tables.train_minutes([one, two]) == "10.0 (1 thread), 5.5 (2 threads)"
+    assert compare.compare_tables.train_minutes([one, {"knn_top1": 1.0}]) == "—"
