@@ -234,7 +234,7 @@ def run_row(row, args, seed):
         return finished(record, evaluate, started)
     train = train_command(row, args, seed)[1:]
     evaluate.call(train, "train_resumed.txt" if resumed else "train.txt")
-    results.check_trained(train, out)
+    provenance.check_trained(train, out)
     record["network"] = provenance.checkpoint_signature(weights)
     if resumed:
         record["resumed"] = True

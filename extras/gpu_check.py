@@ -1,18 +1,13 @@
 """The first GPU run in one command: every training script at paper size, the GPU-only paths, a summary.
 
-    python extras/gpu_check.py                 # 1+ GPUs: about 6 min on one H100 (docs/FIRST_GPU_RUN.md), no download
+    python extras/gpu_check.py                 # 1+ GPUs: 2.3 min on one H200 (docs/FIRST_GPU_RUN.md), no download
     python extras/gpu_check.py --device cpu    # the reduced form: tiny models, gloo (tests/test_gpu_check.py)
 
-Each part runs in its own processes, forked from this one (torch is imported once) with torchrun's
-environment, so every script runs inside a process group (NCCL; one rank on one GPU); a part is
-skipped when a part it needs failed. The parts (docs/FIRST_GPU_RUN.md says what each line should show):
-dino esvit glsd selfpatch drloc (50 steps at paper size, `--precision auto`; timed after 5 warm-up
-steps, host syncs counted over 5 untimed steps), dino_preempted / dino_resumed (SIGTERM during step
-10, the same command again), dino_fp16 (DINO's checkpoint resumed with `--precision fp16`), eval_knn and
-eval_linear (--precomputed_features) on DINO's teacher, glsd_batched (--batched_crops), and with 2+
-GPUs (always on a CPU) <method>_one_process / <method>_two_processes compared by their weights.
-Every part's flags are parsed by its script's own parser before anything runs; rank r's output is in
---out/<part>.rank<r>.log, whose first line is the command that repeats the part by hand.
+Each part (docs/FIRST_GPU_RUN.md lists them and what each line should show) runs in its own processes, forked from
+this one (torch is imported once) with torchrun's environment, so every script runs inside a process group (NCCL;
+one rank on one GPU); a part is skipped when a part it needs failed. Every part's flags are parsed by its script's
+own parser before anything runs; rank r's output is in --out/<part>.rank<r>.log, whose first line is the command
+that repeats the part by hand.
 """
 import argparse
 import atexit
@@ -47,14 +42,14 @@ aten = torch.ops.aten
 
 # ======== Host syncs, counted on any device =======================================================
 class SyncCounter(TorchDispatchMode):
-    """While active, counts what makes the host wait for a GPU: reading a tensor's value (`.item()`,
-    `bool()`, `float()`, `.tolist()`, `.numpy()`), operations whose output size depends on the data
-    (`nonzero`, boolean-mask indexing, `unique`, ...), and copies to or from the host that do not say
-    `non_blocking=True` (`torch.tensor(..., device=)`, `.to(device)`, `.cpu()`). On a CPU every tensor
-    lives on the host, so the counter counts what *would* wait on a GPU; it leaves out torch's own
-    reads in torch/optim (step counters kept on the host) and torch/amp (the fp16 grad scaler's one
-    per step, which CUDA's count shows). `sites` names the line of each (file:line -> count). On CUDA it
-    also takes CUDA's own count (`cuda`), from `torch.cuda.set_sync_debug_mode`."""
+    """While active, counts what makes the host wait for a GPU: reading a tensor's value (`.item()`, `bool()`,
+    `float()`, `.tolist()`, `.numpy()`), operations whose output size depends on the data (`nonzero`,
+    boolean-mask indexing, `unique`, ...), and copies to or from the host that do not say `non_blocking=True`
+    (`torch.tensor(..., device=)`, `.to(device)`, `.cpu()`). On a CPU every tensor lives on the host, so the
+    counter counts what *would* wait on a GPU; it leaves out torch's own reads in torch/optim (step counters
+    kept on the host) and torch/amp (the fp16 grad scaler's one per step, which CUDA's count shows). `sites`
+    names the line of each (file:line -> count). On CUDA it also takes CUDA's own count (`cuda`), from
+    `torch.cuda.set_sync_debug_mode`."""
     DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
                       aten.unique_consecutive.default, aten.equal.default, aten.repeat_interleave.Tensor,
                       aten.bincount.default, aten._local_scalar_dense.default}
@@ -64,18 +59,17 @@ class SyncCounter(TorchDispatchMode):
         super().__init__()
         self.count, self.sites, self.saved, self.cuda, self.cuda_sites, self.caught = 0, {}, {}, None, {}, None
 
-    def note(self):
+    def note(self, cuda=False):
+        """One sync, named by the first line outside torch, the warnings module and this file that made it:
+        torch's own host-side reads are left out; CUDA's warnings (`cuda`) come from any thread."""
         frame = sys._getframe(2)
-        while frame is not None:
-            path = frame.f_code.co_filename
-            if path.startswith(HOST_SIDE):
+        while frame is not None and frame.f_code.co_filename.startswith((TORCH_DIR, warnings.__file__, __file__)):
+            if not cuda and frame.f_code.co_filename.startswith(HOST_SIDE):
                 return
-            if not path.startswith(TORCH_DIR) and path != __file__:
-                break
             frame = frame.f_back
         site = "?" if frame is None else f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno}"
-        self.count += 1
-        self.sites[site] = self.sites.get(site, 0) + 1
+        sites = self.cuda_sites if cuda else self.sites
+        sites[site] = sites.get(site, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.DATA_DEPENDENT or (func in self.BOOL_INDEXED and any(
@@ -102,33 +96,22 @@ class SyncCounter(TorchDispatchMode):
         for name in ("tensor", "as_tensor"):
             self.patch(torch, name, lambda *a, device=None, **k: device is not None)
         if torch.cuda.is_initialized():           # and CUDA's own count: a warning at every synchronising call
-            self.caught = warnings.catch_warnings()
+            self.caught, shown = warnings.catch_warnings(), warnings.showwarning
             self.caught.__enter__()
             warnings.simplefilter("always")
-            self.cuda, shown = 0, warnings.showwarning
-            warnings.showwarning = lambda message, *a, **k: self.cuda_warned() if CUDA_SYNC in str(message) \
-                else shown(message, *a, **k)
+            warnings.showwarning = lambda msg, *a, **k: self.note(cuda=True) if CUDA_SYNC in str(msg) else shown(msg, *a, **k)
             torch.cuda.set_sync_debug_mode(1)
         return super().__enter__()
-
-    def cuda_warned(self):
-        """CUDA's warning of a synchronising call, named by the first line outside torch, the warnings
-        module and this file that led to it (the loader's pin-memory thread too)."""
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith((TORCH_DIR, warnings.__file__, __file__)):
-            frame = frame.f_back
-        site = "?" if frame is None else f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno}"
-        self.cuda += 1
-        self.cuda_sites[site] = self.cuda_sites.get(site, 0) + 1
 
     def __exit__(self, *exc):
         for (owner, name), original in self.saved.items():
             setattr(owner, name, original)
         self.saved.clear()
+        self.count = sum(self.sites.values())
         if self.caught:
             torch.cuda.set_sync_debug_mode(0)
             self.caught.__exit__(*exc)
-            self.caught = None
+            self.caught, self.cuda = None, sum(self.cuda_sites.values())
         return super().__exit__(*exc)
 
 
@@ -370,8 +353,7 @@ def training(part, out, form, problems):
         if counter > allowed or (cuda and max(cuda) > allowed + (args["precision"] == "fp16")):
             sites = {k: v for s in report["syncs"] for k, v in s["sites"].items()}
             cuda_sites = {k: v for s in report["syncs"] for k, v in s.get("cuda_sites", {}).items()}
-            problems.append(f"more than {allowed} host sync(s) per step (counted at {sites}"
-                            + (f"; CUDA's at {cuda_sites}" if cuda_sites else "") + ")")
+            problems.append(f"more than {allowed} host sync(s) per step (counted at {sites}; CUDA's at {cuda_sites})")
     return text, step
 
 

@@ -160,6 +160,18 @@ def starting_checkpoint(command, path):
 # ------------------------------------------------------------------------------------------------
 # Logs
 # ------------------------------------------------------------------------------------------------
+def check_trained(cmd, out):
+    """Refuse a training that returned before its last epoch: a method script stopped by SIGTERM or
+    SIGUSR1 writes its checkpoint and exits 0, to be resumed by the same command, so its exit status
+    alone would let a half-trained network be evaluated and logged as the finished run."""
+    planned = json.loads((Path(out) / "args.json").read_text())["epochs"]
+    log = Path(out) / "log.txt"
+    done = [json.loads(line)["epoch"] for line in log.read_text().splitlines()] if log.exists() else []
+    if not done or done[-1] != planned - 1:
+        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} epochs (a preemption signal?); "
+                 f"nothing is logged: run the same command again to resume from {Path(out) / 'checkpoint.pth'}")
+
+
 def read_log(path, required=(), what="--log"):
     """The JSON records of a log; one line and exit 1 if it is missing, not a file, empty, not JSON
     lines, or a line lacks a `required` key (another script's log, e.g. a training log.txt), so that

@@ -68,7 +68,7 @@ def run(args):
     baseline = ["eval_knn.py", *weights, "--random_init", *eval_data, *EVAL.split()]
     start = time.time()
     results.run([sys.executable, *train], out / "train.txt")
-    results.check_trained(train, out)
+    provenance.check_trained(train, out)
     train_seconds = round(time.time() - start, 1)
     raw = {}
     for key, command in (("knn", evaluation), ("random_init", baseline)):

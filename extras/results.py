@@ -99,7 +99,6 @@ RUNS = {
     **{f"drloc5k_{arch}{suffix}": ("drloc.py", f"{DRLOC_SMALL} {flags}{extra}") for arch, flags in DRLOC_ARCHS.items()
        for suffix, extra in (("", ""), ("_base", " --lambda_drloc 0"))},
 }
-DRLOC_SHORT = f"--epochs {DRLOC_EPOCHS // 3}"      # --variant short --extra DRLOC_SHORT
 HOLDOUT = 10000
 
 
@@ -110,18 +109,6 @@ def run(cmd, log_path):
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed; see {log_path}")
     return Path(log_path).read_text()
-
-
-def check_trained(cmd, out):
-    """Refuse a training that returned before its last epoch: a method script stopped by SIGTERM or
-    SIGUSR1 writes its checkpoint and exits 0, to be resumed by the same command, so its exit status
-    alone would let a half-trained network be evaluated and logged as the finished run."""
-    planned = json.loads((Path(out) / "args.json").read_text())["epochs"]
-    log = Path(out) / "log.txt"
-    done = [json.loads(line)["epoch"] for line in log.read_text().splitlines()] if log.exists() else []
-    if not done or done[-1] != planned - 1:
-        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} epochs (a preemption signal?); "
-                 f"nothing is logged: run the same command again to resume from {Path(out) / 'checkpoint.pth'}")
 
 
 def knn_top1(output):
@@ -209,7 +196,7 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
     train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed), "--output_dir", str(out)]
     start = time.time()
     run(train, out / "train.txt")
-    check_trained(train, out)
+    provenance.check_trained(train, out)
     record["train_seconds"] = round(time.time() - start, 1)
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))

@@ -533,9 +533,9 @@ def test_a_training_stopped_by_a_preemption_signal_is_neither_evaluated_nor_logg
     assert len(calls) == 1 and "dino.py" in calls[0][1]          # the training ran; no evaluation after it
     out = Path(calls[0][-1])
     with pytest.raises(SystemExit, match="stopped after 3 of 8 epochs"):
-        results.check_trained(["python", "dino.py"], out)
+        provenance.check_trained(["python", "dino.py"], out)
     (out / "log.txt").write_text("".join(json.dumps({"epoch": e}) + "\n" for e in range(8)))
-    results.check_trained(["python", "dino.py"], out)             # the last epoch logged: finished
+    provenance.check_trained(["python", "dino.py"], out)             # the last epoch logged: finished
 
 
 def test_train_times_of_seeds_on_different_thread_counts_are_shown_per_seed():
