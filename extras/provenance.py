@@ -164,12 +164,16 @@ def check_trained(cmd, out):
     """Refuse a training that returned before its last epoch: a method script stopped by SIGTERM or
     SIGUSR1 writes its checkpoint and exits 0, to be resumed by the same command, so its exit status
     alone would let a half-trained network be evaluated and logged as the finished run."""
-    planned = json.loads((Path(out) / "args.json").read_text())["epochs"]
     log = Path(out) / "log.txt"
-    done = [json.loads(line)["epoch"] for line in log.read_text().splitlines()] if log.exists() else []
+    try:
+        planned = json.loads((Path(out) / "args.json").read_text())["epochs"]
+        done = [json.loads(line)["epoch"] for line in log.read_text().splitlines()] if log.exists() else []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"error: {' '.join(cmd)} left no readable args.json / log.txt in {out} ({type(e).__name__}: {e})")
     if not done or done[-1] != planned - 1:
-        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} epochs (a preemption signal?); "
-                 f"nothing is logged: run the same command again to resume from {Path(out) / 'checkpoint.pth'}")
+        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} epochs (a "
+                 f"preemption signal?); nothing is logged: run the same command again to resume from "
+                 f"{Path(out) / 'checkpoint.pth'}")
 
 
 def read_log(path, required=(), what="--log"):

@@ -536,6 +536,9 @@ def test_a_training_stopped_by_a_preemption_signal_is_neither_evaluated_nor_logg
         provenance.check_trained(["python", "dino.py"], out)
     (out / "log.txt").write_text("".join(json.dumps({"epoch": e}) + "\n" for e in range(8)))
     provenance.check_trained(["python", "dino.py"], out)             # the last epoch logged: finished
+    (out / "log.txt").write_text("not json\n")
+    with pytest.raises(SystemExit, match="no readable args.json / log.txt"):
+        provenance.check_trained(["python", "dino.py"], out)
 
 
 def test_train_times_of_seeds_on_different_thread_counts_are_shown_per_seed():
