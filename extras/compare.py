@@ -71,7 +71,7 @@ from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS, baseline
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
 # the blocks of the comparison outside COMPARISON.md: the README's "Results at a glance", RESULTS.md
-SUMMARY_FILES = {ROOT / "README.md": ("summary", "added"), ROOT / "docs" / "RESULTS.md": ("summary",)}
+SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"), ROOT / "docs" / "RESULTS.md": ("summary",)}
 LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
 
@@ -328,7 +328,7 @@ def generated_blocks(records):
     blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
                   added=compare_tables.added_table(records),
                   differences_fashion_mnist_8k=differences_table(records, "fashion_mnist_8k"),
-                  long_budget=compare_tables.long_budget_table(records),
+                  long_budget=compare_tables.long_budget_table(records), long_glance=compare_tables.long_glance_table(records),
                   long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged))
     commands = reproducing_commands(records)

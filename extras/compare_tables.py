@@ -290,6 +290,33 @@ def long_budget_table(records, data="fashion_mnist"):
     return "\n".join(lines) if len(lines) > 2 else f"No row longer than 400 steps on {data} is logged yet."
 
 
+def long_glance_table(records, data="fashion_mnist"):
+    """The README's glance at the longer budget: each row trained past 400 steps on both splits (its
+    setting chosen on validation, then run once per seed on test), with its test 20-NN, that minus
+    the test split's raw pixels, and the train time of every seed that logged one."""
+    pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"], r["row"]) == (data, "test", "pixels")), None)
+    method = {row: name for name, rows in SUMMARY_COLUMNS.items() for row in rows.values()}
+    groups = {}
+    for r in records:
+        if r["data"] == data and r["row"] in METHOD_FLAGS and r["steps"] > 400:
+            groups.setdefault((r["row"], r["variant"], r["steps"]), {}).setdefault(r["phase"], []).append(r)
+    lines = ["| backbone | method | steps | seeds: validation, test | test 20-NN top-1 (%) | minus raw pixels (seed 0, 1, ...) "
+             "| train time (min): split, seed, threads |", "|---" * 7 + "|"]
+    for (row, variant, steps), split in sorted(groups.items(), key=lambda g: (g[0][0].split("_")[0] != "swin", g[0][2], g[0][0])):
+        if not {"val", "test"} <= set(split):
+            continue
+        val, test = (sorted(split[phase], key=lambda r: r["seed"]) for phase in ("val", "test"))
+        below = [r["knn_top1"] - pixels for r in test] if pixels is not None else None
+        timed = [(r["train_seconds"] / 60, r["phase"], r["seed"], r.get("machine", {}).get("threads") or "?")
+                 for r in val + test if "train_seconds" in r]      # a resumed training logs no time
+        times = ", ".join(f"{m:.1f} ({phase} {seed}, {t} thread{'' if t == 1 else 's'})" for m, phase, seed, t in timed)
+        lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {method[row]} | {steps} | {len(val)}, {len(test)} | "
+                     f"{cell([r['knn_top1'] for r in test])} | "
+                     + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})" if below else "—")
+                     + f" | {times or '—'} |")
+    return "\n".join(lines) if len(lines) > 2 else f"No row longer than 400 steps on {data} has run on both splits yet."
+
+
 def costs_table(records, data="fashion_mnist", phase="test"):
     """CPU seconds of every command of a row (cpu_seconds), mean over its seeds: training per step
     (start-up included), each evaluation, each learning-curve point."""

@@ -546,3 +546,15 @@ def test_train_times_of_seeds_on_different_thread_counts_are_shown_per_seed():
     assert compare.compare_tables.train_minutes([one, {**one, "train_seconds": 720.0}]) == "11.0 ± 1.0"
     assert compare.compare_tables.train_minutes([one, two]) == "10.0 (1 thread), 5.5 (2 threads)"
     assert compare.compare_tables.train_minutes([one, {"knn_top1": 1.0}]) == "—"
+
+
+def test_the_readme_glance_at_long_runs_shows_only_rows_run_on_both_splits():
+    records = fake_comparison_records()               # vit_dino 60 and 62 (test), 1.0 (val); pixels 84.59 (test)
+    long = [{**{k: v for k, v in r.items() if k != "train_seconds"}, "steps": 1600, "variant": "steps1600"}
+            for r in records if r["row"] == "vit_dino"]                        # resumed runs log no train time
+    long = [{**r, "train_seconds": 5400.0, "machine": {"threads": 2}} if r["phase"] == "val" else r for r in long]
+    glance = compare.compare_tables.long_glance_table
+    assert glance(records + [r for r in long if r["phase"] == "test"]).startswith("No row longer than 400 steps")
+    lines = glance(records + long).splitlines()
+    assert len(lines) == 3 and lines[2].split(" | ")[1:] == [
+        "DINO", "1600", "1, 2", "61.0 ± 1.0", "-23.6 ± 1.0 (-24.59, -22.59)", "90.0 (val 0, 2 threads) |"]
