@@ -137,9 +137,8 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
             die(f"--patch_size {patch_size} does not divide the {img_size} px global crop; choose a divisor "
                 f"of the crop size (e.g. 16 or 8 at 224 px, 4 at 32 px)")
         backbone = ViT(img_size=img_size, patch_size=patch_size, mlp_ratio=4, qkv_bias=True,
-                       norm_layer=norm_layer, num_classes=0, dynamic_img_size=True,
-                       drop_path_rate=drop_path_rate, class_token=class_token,
-                       global_pool="token" if class_token else "avg", final_norm=final_norm,
+                       norm_layer=norm_layer, num_classes=0, dynamic_img_size=True, drop_path_rate=drop_path_rate,
+                       class_token=class_token, global_pool="token" if class_token else "avg", final_norm=final_norm,
                        fc_norm=False,  # keep the final norm in `norm` (timm moves it to fc_norm for "avg")
                        attn_layer=Attention, **cfg)
     else:
@@ -1341,7 +1340,7 @@ def run_script(main, parser, argv=None):
                        f"is above); torch: {peer.split('] ', 1)[-1].split('. ')[0].strip()}")
         else:
             raise
-        close_progress_bars()
+        close_progress_bars(end_line=bool(worker))       # the error starts a line
         report_to_torchrun(message)
         raise SystemExit(message) from None
     finally:
@@ -1369,10 +1368,12 @@ def report_to_torchrun(message):
                                "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
 
 
-def close_progress_bars():
-    """Close open progress bars (one left open is redrawn below the last message at exit)."""
+def close_progress_bars(end_line=False):
+    """Close open progress bars (one left open is redrawn below the last message at exit); `end_line`: also
+    end the line of a bar whose drawing a signal cut short (torch's SIGCHLD handler raises anywhere)."""
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
+    print(end="\n" if end_line else "", file=sys.stderr, flush=True)
 
 
 # ======== B5. Logging and the argument groups shared by the scripts ===============================

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "extras")]
@@ -258,6 +259,27 @@ def test_a_killed_loader_worker_is_one_line_and_the_run_resumes(tmp_path):
     epoch = torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"]
     again = run("dino.py", *flags, "--epochs", str(epoch + 1), "--num_workers", "0")
     assert again.returncode == 0 and f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {epoch}" in again.stdout
+
+
+def test_a_dead_workers_error_starts_its_own_line_after_a_bar_cut_short(monkeypatch, capsys):
+    """torch's SIGCHLD handler raises wherever the main process is: inside a progress bar's closing
+    it leaves the bar drawn without its newline (seen once in CI: `...0/6 [00:00<?, ?it/s]error: a data
+    loader worker ...`). The error must still start a line."""
+    bar = tqdm.tqdm(range(6), desc="epoch 1")              # drawn at 0%, no newline
+    bar.disable = True                                      # closed, as a close cut short after its first step leaves it
+    tqdm.tqdm._instances.discard(bar)
+
+    def main(args):
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    previous = signal.getsignal(signal.SIGCHLD)
+    try:
+        monkeypatch.setattr(torch._C, "_error_if_any_worker_fails", lambda: None)
+        with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\)"):
+            common.run_script(main, argparse.ArgumentParser(), argv=[])
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    err = capsys.readouterr().err
+    assert "0/6" in err and err.endswith("\n"), repr(err)
 
 
 def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeypatch):
