@@ -302,7 +302,7 @@ def long_glance_table(records, data="fashion_mnist"):
             groups.setdefault((r["row"], r["variant"], r["steps"]), {}).setdefault(r["phase"], []).append(r)
     lines = ["| backbone | method | steps | seeds: validation, test | test 20-NN top-1 (%) | minus raw pixels (seed 0, 1, ...) "
              "| train time (min): split, seed, threads |", "|---" * 7 + "|"]
-    for (row, variant, steps), split in sorted(groups.items(), key=lambda g: (g[0][0].split("_")[0] != "swin", g[0][2], g[0][0])):
+    for (row, variant, steps), split in sorted(groups.items(), key=lambda g: (METHOD_FLAGS[g[0][0]][0] != "swin", g[0][2], g[0][0])):
         if not {"val", "test"} <= set(split):
             continue
         val, test = (sorted(split[phase], key=lambda r: r["seed"]) for phase in ("val", "test"))
