@@ -291,27 +291,27 @@ def drloc_epochs(record):
 
 
 def drloc_regime(records):
-    """Whether the DRLoc paper's direction holds on the small-dataset runs: a larger gain of λ = 0.5
-    over λ = 0 for the Swin than for the ViT, and a larger one for shorter training; from the
-    paired differences (val phase) of every logged training length, with what the seeds allow one to say."""
-    epochs = {}                                        # (arch, variant): epochs
-    for r in records:
-        arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
-        if r["run"].startswith("drloc5k_") and r["phase"] == "val" and arch in DRLOC_ARCHS:
-            epochs[arch, r.get("variant", "recipe")] = drloc_epochs(r)
-    found = {}
-    order = lambda item: (list(DRLOC_ARCHS).index(item[0][0]), -item[1], item[0][1] != "recipe")   # noqa: E731
-    for (arch, variant), n in sorted(epochs.items(), key=order):     # one variant per length: the recipe's first
-        diffs = paired_difference(records, "val", f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
-        if diffs and (arch, n) not in found:
-            found[arch, n] = diffs
-    if not found:
-        logged = {}
+    """Whether the DRLoc paper's direction holds on the small-dataset runs (a larger gain of λ = 0.5
+    over λ = 0 for the Swin than for the ViT, and for shorter training) from the paired differences
+    of every training length logged on validation, with what the seeds allow; then the test split's."""
+    def paired(phase):             # {(arch, epochs): differences by seed}, one variant per length: the recipe's first
+        epochs, found = {}, {}
         for r in records:
-            if r["run"].startswith("drloc5k_") and r["phase"] == "val":
-                logged.setdefault(f"`{r['run']}` ({r.get('variant', 'recipe')})", []).append(r["seed"])
-        return ("No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); logged so far: " +
-                (", ".join(f"{k} seeds {', '.join(map(str, sorted(v)))}" for k, v in logged.items()) or "nothing") + ".")
+            arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
+            if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
+                epochs[arch, r.get("variant", "recipe")] = drloc_epochs(r)
+        order = lambda item: (list(DRLOC_ARCHS).index(item[0][0]), -item[1], item[0][1] != "recipe")   # noqa: E731
+        for (arch, variant), n in sorted(epochs.items(), key=order):
+            diffs = paired_difference(records, phase, f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
+            if diffs and (arch, n) not in found:
+                found[arch, n] = diffs
+        return found
+    found, tested = paired("val"), paired("test")
+    if not found:
+        logged = sorted({f"`{r['run']}` ({r.get('variant', 'recipe')}, seed {r['seed']})" for r in records
+                         if r["run"].startswith("drloc5k_") and r["phase"] == "val"})
+        return ("No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); logged so far: "
+                f"{', '.join(logged) or 'nothing'}.")
 
     def say(diffs):
         spread = (max(diffs) - min(diffs)) / 2
@@ -333,6 +333,8 @@ def drloc_regime(records):
         if len(mine) > 1:
             lines.append(compare((arch, mine[0]), (arch, mine[-1]), f"a larger gain for shorter training (`{arch}`, "
                                                                     f"{mine[0]} against {mine[-1]} epochs)"))
+    lines += [f"- the test split, once (its first 5000 images), `{arch}`, {n} epochs: {say(diffs)}"
+              for (arch, n), diffs in tested.items()]
     return "\n".join(lines)
 
 

@@ -512,6 +512,13 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
     assert "(`swin`, 2 against 30 epochs): holds here (gap +1.00" in text        # +4.5 against +3.5
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
     assert "- `swin`, 6 epochs: +2.50 (seeds +3.00, +2.00; ± 0.50)" in text       # the recipe's, not `lr`'s
+    assert "test split" not in text
+    tested = [{**r, "phase": "test", "top1": r["top1"] - (1.0 if r["run"] == "drloc5k_vit" else 0.0)}
+              for r in longer if "vit" in r["run"]]                 # one backbone run once on the test split
+    text = results.drloc_regime(records + longer + other + tested)
+    assert text.endswith("- the test split, once (its first 5000 images), `vit`, 30 epochs: +0.75 (seeds +1.00, "
+                         "+0.50; ± 0.25)")                            # test pairs never enter the validation lines
+    assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
 
 
 def test_a_training_stopped_by_a_preemption_signal_is_neither_evaluated_nor_logged(tmp_path, monkeypatch):
