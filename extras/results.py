@@ -194,10 +194,11 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
     out = Path(work_dir) / f"{name}_{variant}_{phase}_seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
     train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed), "--output_dir", str(out)]
+    resumed = (out / "checkpoint.pth").exists()     # a stopped run goes on: its time would be its last process's only
     start = time.time()
     run(train, out / "train.txt")
     provenance.check_trained(train, out)
-    record["train_seconds"] = round(time.time() - start, 1)
+    record.update({"resumed": True} if resumed else {"train_seconds": round(time.time() - start, 1)})
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["last_epoch"] = {k: v for k, v in epochs[-1].items() if isinstance(v, float)}
@@ -220,8 +221,7 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
 
 
 def cell(values, digits=1):
-    """Mean ± half the range of the values that are not None; one value alone (one seed) has no
-    range to show; — when there are none."""
+    """Mean ± half the range of the values that are not None; a lone value as it is; — when none."""
     values = [v for v in values if v is not None]
     if not values:
         return "—"
@@ -231,9 +231,9 @@ def cell(values, digits=1):
 
 
 def table(records, phase):
-    """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each
-    seed's top-1 minus its own run's random init (the same checkpoint with --random_init), per seed
-    in brackets in seed order; lines logged before stamps existed say "no timestamp"."""
+    """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each seed's
+    top-1 minus its own checkpoint's with --random_init, per seed in seed order; a line logged before
+    stamps existed says "no timestamp", a resumed run's train time "—"."""
     rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) | train time (min) | "
             "peak memory (MB) | logged (UTC) |", "|---|---|---|---|---|---|---|---|---|"]
     groups = {}
@@ -247,17 +247,18 @@ def table(records, phase):
         if name == "pixels":
             rows.append(f"| raw pixels | — | — | {top1[0]:.1f} | — | — | — | — | {logged} |")
             continue
-        minutes = statistics.mean(r["train_seconds"] for r in rs) / 60
+        timed = all("train_seconds" in r for r in rs)                # a resumed run logs no time
+        minutes = f"{statistics.mean(r['train_seconds'] for r in rs) / 60:.1f}" if timed else "—"
         if "random_init_top1" not in rs[0]:   # DRLoc: supervised top-1, mean ± standard deviation
             spread = statistics.stdev(top1) if len(top1) > 1 else 0.0
             rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | {statistics.mean(top1):.1f} "
-                        f"± {spread:.1f} | — | — | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+                        f"± {spread:.1f} | — | — | {minutes} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
             continue
         random_init = [r["random_init_top1"] for r in rs]
         gains = [a - b for a, b in zip(top1, random_init)]
         per_seed = f" ({', '.join(f'{g:+.1f}' for g in gains)})" if len(gains) > 1 else ""
         rows.append(f"| {name} | {variant} | {len(rs)} | {cell(top1)} | {cell(random_init)} | "
-                    f"{cell(gains)}{per_seed} | {minutes:.1f} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+                    f"{cell(gains)}{per_seed} | {minutes} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
     return "\n".join(rows)
 
 
@@ -284,8 +285,7 @@ def paired_difference(records, phase, run="drloc", baseline="drloc_base", varian
 
 
 def drloc_epochs(record):
-    """The epochs a DRLoc run trained: the last --epochs of its command (a variant's --extra overrides
-    the recipe's), else its variant's (`recipe`, `short`)."""
+    """The epochs a DRLoc run trained: its command's last --epochs (an --extra's), else its variant's."""
     found = re.findall(r"--epochs (\d+)", record.get("train_command", ""))
     return int(found[-1]) if found else {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}[record.get("variant", "recipe")]
 
@@ -486,8 +486,8 @@ def main():
             with open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             baseline = f" (random init {record['random_init_top1']:.2f}%)" if "random_init_top1" in record else ""
-            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, "
-                  f"{record['train_seconds'] / 60:.1f} min", flush=True)
+            took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"
+            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
         blocks = generated_blocks(provenance.read_log(args.log, ("run", "phase", "seed")))
         markdown = RESULTS_MD.read_text()

@@ -521,6 +521,27 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
 
 
+def test_a_resumed_run_is_logged_without_a_train_time(tmp_path, monkeypatch):
+    """A run stopped part-way and started again resumes from its checkpoint: the wall time of that last
+    process is not its training's, so its line says `resumed`, holds no train time, and the table shows —."""
+    def training(cmd, log_path):
+        out = Path(log_path).parent
+        (out / "args.json").write_text(json.dumps({"epochs": 2}))
+        (out / "log.txt").write_text("".join(json.dumps({"epoch": e, "peak_memory_mb": 1.0, "val_acc1": 50.0}) + "\n"
+                                             for e in range(2)))
+        return ""
+    monkeypatch.setattr(results, "run", training)
+    fresh = results.train_and_evaluate_unstamped("drloc5k_vit", "recipe", "", "val", 0, tmp_path / "fresh")
+    stopped = tmp_path / "stopped" / "drloc5k_vit_recipe_val_seed0"
+    stopped.mkdir(parents=True)
+    (stopped / "checkpoint.pth").write_bytes(b"")          # what a SIGTERM'd run leaves behind
+    resumed = results.train_and_evaluate_unstamped("drloc5k_vit", "recipe", "", "val", 0, tmp_path / "stopped")
+    assert "train_seconds" in fresh and "resumed" not in fresh
+    assert resumed["resumed"] is True and "train_seconds" not in resumed
+    assert results.table([fresh], "val").splitlines()[-1].split(" | ")[6] != "—"
+    assert results.table([fresh, {**resumed, "seed": 1}], "val").splitlines()[-1].split(" | ")[6] == "—"
+
+
 def test_a_training_stopped_by_a_preemption_signal_is_neither_evaluated_nor_logged(tmp_path, monkeypatch):
     """A method script that receives SIGTERM writes its checkpoint and exits 0 (to be resumed): the
     drivers read its log.txt and refuse to evaluate or log the half-trained network."""
