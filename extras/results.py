@@ -6,23 +6,19 @@ own scale (32 px crops of the 28 px images), over several seeds. Not collected b
     python extras/results.py --runs pixels                         # the k-NN on raw pixels, for scale
     python extras/results.py --table                               # refresh docs/RESULTS.md from the log
 
-Phases. `val` trains with `--holdout 10000` (the last 10000 train images are held out) and
-evaluates on those 10000 with the other 50000 as the k-NN bank: every recipe and variant was chosen
-there. `test` trains on all 60000 train images and evaluates once on the 10000 test images with the
-60000 as the bank; it is run only for the chosen recipe. Each run is also evaluated at its random
-initialisation (`eval_knn.py --random_init` on the run's own checkpoint: the same architecture,
-windows and seed), so every row carries its own baseline. k-NN: k = 20, T = 0.07 (eval_knn.py).
-One JSON line per (run, variant, phase, seed) is appended to --log, with the exact commands, the
-wall time of training and its peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a
-recipe under its own name; a test-phase row under a variant name is a former recipe, or a
-candidate that the val phase chose and the test split did not confirm (SelfPatch's `pw0.5`).
-SelfPatch's variants were searched on a one-epoch base, `selfpatch_epochs1`.
+Phases. `val` trains with `--holdout 10000` and evaluates on those last 10000 train images (the
+other 50000 are the k-NN bank): every recipe and variant was chosen there. `test` trains on all 60000
+and evaluates once on the 10000 test images. Each run is also evaluated at its random initialisation
+(`eval_knn.py --random_init` on its own checkpoint: same architecture, windows and seed). k-NN: k = 20,
+T = 0.07. One JSON line per (run, variant, phase, seed) goes to --log with the exact commands, train
+time and peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a recipe under its own name
+(SelfPatch's were searched on a one-epoch base, `selfpatch_epochs1`).
 
 `--table` rewrites the generated blocks of docs/RESULTS.md (between `<!-- results.py:NAME -->` and
-`<!-- /results.py -->`): the two tables, DRLoc's paired comparison and, for every row, the
-results.py command that reproduces it (the flags that differ from the recipe as it stands now are
-recovered from the logged training command by parsing both with the script's own parser). The
-prose around the blocks is written by hand.
+`<!-- /results.py -->`) from the stamped lines (UTC time, commit, machine): the two tables, DRLoc's
+paired comparisons and, for every row, the results.py command that reproduces it (the flags that
+differ from the recipe as it stands now are recovered from the logged training command by parsing
+both with the script's own parser). The prose around the blocks is written by hand.
 """
 import argparse
 import importlib
@@ -80,18 +76,14 @@ RUNS = {
     "pixels": (None, None),   # no network: the same k-NN on the raw pixels at the same 32 px
     "dino": ("dino.py", f"{SSL} {VIT}"),
     # SelfPatch: three epochs at teacher temperature 0.02 with DINO's crop scales, on the one-epoch base
-    # its variants were searched on (below): +6.4 and +6.8 on the validation split against the base's
-    # +6.5 and +3.4; with its own smaller crops a second epoch undid the first (variants `epochs2_*`)
-    # (--saveckp_freq 1 keeps checkpoint0001.pth and checkpoint0002.pth: the per-epoch numbers)
+    # its variants were searched on (below); --saveckp_freq 1 keeps each epoch's checkpoint
     "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --teacher_temp 0.02 --warmup_teacher_temp 0.02 --epochs 3 "
                                   "--warmup_epochs 1 --global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
                                   "--saveckp_freq 1"),
     # The one-epoch base: K = K_p = 1024 (one patch head output per token) and teacher temperature 0.01,
-    # not 4096 and the paper's 0.04: +6.5 on the validation split against +4.6 (seed 0; variants `tt0.04`,
-    # `tt0.02`, `k1024_tt0.02`)
+    # not 4096 and the paper's 0.04 (variants `tt0.04`, `tt0.02`, `k1024_tt0.02`)
     "selfpatch_epochs1": ("selfpatch.py", SELFPATCH_EPOCHS1),
-    # EsViT's one epoch gained 2.0 points on the validation split (GLSD's 5.5), two epochs 5.7: its
-    # recipe runs twice as long, warm-up still half the run (later flags override earlier ones)
+    # EsViT: two epochs (one gained less on validation), warm-up still half the run (later flags win)
     "esvit": ("esvit.py", f"{SSL} {SWIN} --epochs 2 --warmup_epochs 1"),
     "glsd": ("glsd.py", f"{SSL} {SWIN} --local_matching geometric"),
     "drloc": ("drloc.py", DRLOC),
@@ -232,8 +224,8 @@ def cell(values, digits=1):
 
 def table(records, phase):
     """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each seed's
-    top-1 minus its own checkpoint's with --random_init, per seed in seed order; a line logged before
-    stamps existed says "no timestamp", a resumed run's train time "—"."""
+    top-1 minus its own checkpoint's with --random_init, per seed in seed order; a resumed run's train
+    time "—"."""
     rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) | train time (min) | "
             "peak memory (MB) | logged (UTC) |", "|---|---|---|---|---|---|---|---|---|"]
     groups = {}
@@ -243,7 +235,7 @@ def table(records, phase):
     for (name, variant), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["seed"])          # per-seed figures in seed order
         top1 = [r["top1"] for r in rs]
-        logged = " / ".join(sorted({r["utc"][:10] if r.get("utc") else "no timestamp" for r in rs}))
+        logged = " / ".join(sorted({r["utc"][:10] for r in rs}))
         if name == "pixels":
             rows.append(f"| raw pixels | — | — | {top1[0]:.1f} | — | — | — | — | {logged} |")
             continue
@@ -347,14 +339,7 @@ RUN_PLACE_FLAGS = {"--holdout", "--seed", "--output_dir"}   # set by train_and_e
 def logged_flags(record):
     """The training flags of a logged run, without those that train_and_evaluate adds itself."""
     words = record["train_command"].split()[2:]          # drop "python script.py"
-    flags, i = [], 0
-    while i < len(words):
-        if words[i] in RUN_PLACE_FLAGS:
-            i += 2
-            continue
-        flags.append(words[i])
-        i += 1
-    return flags
+    return [w for i, w in enumerate(words) if w not in RUN_PLACE_FLAGS and (i == 0 or words[i - 1] not in RUN_PLACE_FLAGS)]
 
 
 def as_flag_value(value):
@@ -419,10 +404,23 @@ def relogged_table(pairs):
                                           "(`python extras/results.py --relog ...`).")
 
 
+def unstamped_note(records):
+    """The lines logged before the log held a time, commit and machine: not published, their runs
+    listed with the command that logs each again (--relog)."""
+    if not records:
+        return "Every line of the log is stamped."
+    commands = "\n".join(f"{line} --relog" for line in reproducing_commands(records))
+    return (f"{len(records)} lines of the log were written before it held a time, commit and machine; their "
+            "figures are not published here. Each of these commands runs such lines again, stamped, and the "
+            f"tables above then show them:\n\n```bash\n{commands}\n```")
+
+
 def generated_blocks(records):
-    """{block name: markdown} of docs/RESULTS.md; a stamped line supersedes the unstamped ones of its run."""
+    """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes the
+    unstamped ones of its run, and the others are only listed (unstamped_note)."""
     records, relogged = provenance.superseded(records, log_key)
-    blocks = {"relogged": relogged_table(relogged)}
+    blocks = {"relogged": relogged_table(relogged), "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
+    records = [r for r in records if r.get("utc")]
     for phase in ("test", "val"):
         text = table(records, phase)
         comparison = paired_difference(records, phase)

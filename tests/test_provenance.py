@@ -135,6 +135,20 @@ def test_generated_blocks_of_the_documents_are_the_generators_output_for_the_com
             assert results.refresh(text, mine, tag=tag) == text, f"{path}: stale {tag} block; run python extras/{tag} --table"
 
 
+def test_every_line_the_documents_publish_holds_its_time_commit_and_machine():
+    """A line written before stamps existed is published only beside its stamped rerun (the `relogged`
+    and `Superseded` notes), or, in RESULTS.md, listed by its command alone: no table or figure rests on it."""
+    shown, _ = compare_tables.current(provenance.read_log(LOGS["compare"]))
+    assert [compare_tables.log_key(r) for r in shown if not (r.get("utc") and r.get("commit") and r.get("machine"))] == []
+    shown = quickstart.latest(provenance.read_log(LOGS["quickstart"]))
+    assert [quickstart.key(r) for r in shown if not (r.get("utc") and r.get("commit") and r.get("machine"))] == []
+    records = provenance.read_log(LOGS["results"])            # RESULTS.md: the same without those lines
+    stamped = [r for r in records if r.get("utc") and r.get("commit") and r.get("machine")]
+    published = ("test", "val", "drloc_regime", "commands")
+    assert [results.generated_blocks(records)[k] for k in published] == \
+        [results.generated_blocks(stamped)[k] for k in published]
+
+
 def test_no_generated_block_holds_a_line_logged_without_its_row():
     """Every row of the comparison's tables is a logged row (no table line without a log line)."""
     records = provenance.read_log(LOGS["compare"])

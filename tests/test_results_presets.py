@@ -28,15 +28,35 @@ def test_recipe_parses_with_its_script(name):
 
 def test_table_reports_mean_half_range_and_gain_over_random_init_per_phase():
     records = [{"run": "dino", "variant": "recipe", "phase": "test", "seed": 0, "top1": 60.0, "random_init_top1": 50.0,
-                "train_seconds": 600, "peak_memory_mb": 900},
+                "train_seconds": 600, "peak_memory_mb": 900, "utc": "2026-11-27T10:00:00Z"},
                {"run": "dino", "variant": "recipe", "phase": "test", "seed": 1, "top1": 64.0, "random_init_top1": 52.0,
-                "train_seconds": 660, "peak_memory_mb": 950},
+                "train_seconds": 660, "peak_memory_mb": 950, "utc": "2026-11-28T10:00:00Z"},
                {"run": "dino", "variant": "recipe", "phase": "val", "seed": 0, "top1": 1.0, "random_init_top1": 1.0,
-                "train_seconds": 60, "peak_memory_mb": 900},
-               {"run": "pixels", "variant": "recipe", "phase": "test", "seed": 0, "top1": 84.6, "train_seconds": 0.0}]
+                "train_seconds": 60, "peak_memory_mb": 900, "utc": "2026-11-27T09:00:00Z"},
+               {"run": "pixels", "variant": "recipe", "phase": "test", "seed": 0, "top1": 84.6, "train_seconds": 0.0,
+                "utc": "2026-11-27T11:00:00Z"}]
     lines = results.table(records, "test").splitlines()
-    assert lines[2:] == ["| dino | recipe | 2 | 62.0 ± 2.0 | 51.0 ± 1.0 | 11.0 ± 1.0 (+10.0, +12.0) | 10.5 | 950 | no timestamp |",
-                         "| raw pixels | — | — | 84.6 | — | — | — | — | no timestamp |"]
+    assert lines[2:] == ["| dino | recipe | 2 | 62.0 ± 2.0 | 51.0 ± 1.0 | 11.0 ± 1.0 (+10.0, +12.0) | 10.5 | 950 | 2026-11-27 / 2026-11-28 |",
+                         "| raw pixels | — | — | 84.6 | — | — | — | — | 2026-11-27 |"]
+
+
+def test_results_publish_only_stamped_lines_and_list_the_commands_that_log_the_others_again():
+    """A line without a time, commit and machine (written before stamps existed) is not in any table or
+    paired comparison; its run's command, with --relog, is listed instead."""
+    def line(run, seed, top1, **more):
+        return {"run": run, "variant": "recipe", "phase": "test", "seed": seed, "top1": top1, "peak_memory_mb": 900,
+                "train_seconds": 60, "train_command": f"python drloc.py {results.RUNS[run][1]} --seed {seed}", **more}
+    stamp = {"utc": "2026-11-27T10:00:00Z"}
+    records = [line("drloc", 0, 41.0), line("drloc_base", 0, 40.0), line("drloc", 1, 42.0), line("drloc_base", 1, 40.5),
+               line("drloc5k_vit", 0, 59.0, **stamp)]
+    blocks = results.generated_blocks(records)
+    assert blocks["test"].splitlines()[2:] == ["| drloc5k_vit (supervised top-1, ± std) | recipe | 1 | 59.0 ± 0.0 | — | — "
+                                                "| 1.0 | 900 | 2026-11-27 |"]     # no drloc row, no paired line
+    assert "python extras/results.py --runs drloc --phase test --seeds 0 1 --relog" in blocks["unstamped"]
+    assert "python extras/results.py --runs drloc_base --phase test --seeds 0 1 --relog" in blocks["unstamped"]
+    assert "drloc5k" not in blocks["unstamped"] and "drloc5k" in blocks["commands"]
+    assert "41.0" not in "".join(blocks.values()) and blocks["unstamped"].startswith("4 lines")
+    assert results.generated_blocks(records[4:])["unstamped"] == "Every line of the log is stamped."
 
 
 def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_replaces_them(tmp_path, monkeypatch):
@@ -538,6 +558,7 @@ def test_a_resumed_run_is_logged_without_a_train_time(tmp_path, monkeypatch):
     resumed = results.train_and_evaluate_unstamped("drloc5k_vit", "recipe", "", "val", 0, tmp_path / "stopped")
     assert "train_seconds" in fresh and "resumed" not in fresh
     assert resumed["resumed"] is True and "train_seconds" not in resumed
+    fresh, resumed = ({**r, "utc": "2026-11-27T10:00:00Z"} for r in (fresh, resumed))
     assert results.table([fresh], "val").splitlines()[-1].split(" | ")[6] != "—"
     assert results.table([fresh, {**resumed, "seed": 1}], "val").splitlines()[-1].split(" | ")[6] == "—"
 
