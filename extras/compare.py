@@ -6,6 +6,7 @@ difference from the DINO row of its backbone is what the method adds. Not collec
     python extras/compare.py --phase test --seeds 0 1                    # report: once per final setting
     python extras/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
     python extras/compare.py --phase test --seeds 0 1 --add_linear       # probe the logged rows' checkpoints
+    python extras/compare.py --phase test --seeds 1 --add_curve --curve_every 200   # their kept checkpoints' curve
     python extras/compare.py --table                                     # refresh docs/COMPARISON.md from the log
 
 Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
@@ -251,15 +252,7 @@ def run_row(row, args, seed):
     if not args.skip_linear:
         record["linear_top1"] = evaluate.linear(weights)
     if seed in args.curve_seeds:
-        record["curve"] = []
-        for epoch in range(args.curve_every // STEPS_PER_EPOCH, args.steps // STEPS_PER_EPOCH,
-                           args.curve_every // STEPS_PER_EPOCH):
-            kept = out / f"checkpoint{epoch:04d}.pth"
-            record["curve"].append({"step": epoch * STEPS_PER_EPOCH,
-                                    "knn_top1": evaluate.knn(kept, name=f"curve_knn_{epoch:04d}"),
-                                    "overlap_accuracy": evaluate.correspondence(
-                                        kept, protocols=("overlap",), name=f"curve_correspondence_{epoch:04d}")
-                                    ["overlap"]["accuracy"]})
+        record["curve"] = curve_points(evaluate, out, args)
     return finished(record, evaluate, started)
 
 
@@ -271,37 +264,65 @@ def locked(log):
         yield
 
 
-def add_linear(row, args, seed):
-    """The linear probe of a logged row run with --skip_linear, on its kept checkpoint: written into
-    its log line, with the command and its cost."""
+def curve_points(evaluate, out, args):
+    """20-NN and `overlap` all-token accuracy of the checkpoints kept every --curve_every steps."""
+    every = args.curve_every // STEPS_PER_EPOCH
+    return [{"step": epoch * STEPS_PER_EPOCH,
+             "knn_top1": evaluate.knn(out / f"checkpoint{epoch:04d}.pth", name=f"curve_knn_{epoch:04d}"),
+             "overlap_accuracy": evaluate.correspondence(out / f"checkpoint{epoch:04d}.pth", protocols=("overlap",),
+                                                         name=f"curve_correspondence_{epoch:04d}")["overlap"]["accuracy"]}
+            for epoch in range(every, args.steps // STEPS_PER_EPOCH, every)]
+
+
+def kept_checkpoints(record, out, args):
+    """The checkpoints a logged training kept for its curve; refused if one is missing or was not
+    written while that training ran (between the line's start and its time): a later run's would
+    put another network's figures into this line."""
+    kept = [out / f"checkpoint{e:04d}.pth" for e in range(args.curve_every // STEPS_PER_EPOCH,
+                                                          args.steps // STEPS_PER_EPOCH, args.curve_every // STEPS_PER_EPOCH)]
+    start, end = (provenance.utc_seconds(record[k]) for k in ("started_utc", "utc"))
+    start = 0 if record.get("resumed") else start          # a resumed run kept some before its last process
+    for path in kept:
+        if not path.is_file() or not start <= path.stat().st_mtime <= end:
+            sys.exit(f"error: {path} is {'missing' if not path.is_file() else 'not from the logged run'}: "
+                     f"{record['row']} seed {record['seed']} has no kept checkpoints for --curve_every {args.curve_every}")
+    return kept
+
+
+def add_evaluation(row, args, seed, kind):
+    """The linear probe (kind "linear_top1") or the learning curve ("curve") of a logged row run
+    without it, from its kept checkpoints: written into its log line, with the commands and their cost."""
     key = (args.data, row, args.variant, args.phase, seed)
     logged = [r for r in compare_tables.current(results.read_log(args.log))[0] if log_key(r) == key]
-    if len(logged) != 1 or "linear_top1" in logged[0]:
-        return None      # not logged (or twice), or already probed
+    if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
+        return None      # not logged (or twice), already evaluated, or a random init (no curve)
     stamped = bool(logged[0].get("utc"))     # the line the tables show: a relogged row's stamped one
     out, weights = row_paths(row, args, seed)
     if row in RANDOM_ROWS and not weights.is_file():
         provenance.starting_checkpoint(logged[0].get("start_of") or " ".join(train_command(row, args, seed)), weights)
     if not weights.is_file():
         sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it cannot be probed")
-    if (out / "linear").exists():
+    if kind == "linear_top1" and (out / "linear").exists():
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
+    if kind == "curve":
+        kept_checkpoints(logged[0], out, args)
     started = provenance.start()
     evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
-    top1 = evaluate.linear(weights, random_init=row in RANDOM_ROWS)
+    value = (evaluate.linear(weights, random_init=row in RANDOM_ROWS) if kind == "linear_top1"
+             else curve_points(evaluate, out, args))
     with locked(args.log):
         lines = Path(args.log).read_text().splitlines()
         for i, line in enumerate(lines):
             r = json.loads(line) if line.strip() else {}
             if log_key(r) == key and bool(r.get("utc")) == stamped:
-                r["linear_top1"] = top1
+                r[kind] = value
                 r["commands"] = r.get("commands", []) + evaluate.commands
-                for kind in ("wall_seconds", "cpu_seconds", "raw_output"):
-                    r[kind] = {**r.get(kind, {}), **getattr(evaluate, kind)}
-                r["linear_provenance"] = provenance.stamp(started)
+                for total in ("wall_seconds", "cpu_seconds", "raw_output"):
+                    r[total] = {**r.get(total, {}), **getattr(evaluate, total)}
+                r[f"{kind.split('_')[0]}_provenance"] = provenance.stamp(started)
                 lines[i] = json.dumps(r)
         Path(args.log).write_text("\n".join(lines) + "\n")
-    return top1
+    return value
 
 
 def pixels_knn(data):
@@ -353,6 +374,9 @@ def get_args_parser():
     p.add_argument("--add_linear", action="store_true",
                    help="train nothing: probe the kept checkpoints of the logged --rows and --seeds that have no "
                         "linear top-1 yet (run with --skip_linear), and write it into their log lines")
+    p.add_argument("--add_curve", action="store_true",
+                   help="train nothing: evaluate the checkpoints kept every --curve_every steps by the logged --rows "
+                        "and --seeds that have no learning curve yet (seeds not in --curve_seeds), into their log lines")
     p.add_argument("--relog", action="store_true",
                    help="run again the --rows and --seeds whose log lines have no timestamp (written before stamps "
                         "existed): the stamped line replaces them in the tables, which show both figures")
@@ -376,15 +400,16 @@ def main():
     if args.data == "fashion_mnist_8k" and rows:
         write_fashion_mnist_8k(args.data_dir)
     logged = provenance.read_log(args.log, LOG_KEYS) if rows and Path(args.log).exists() else []
-    if args.add_linear:
-        if not Path(args.log).is_file():
-            sys.exit(f"error: --add_linear probes the rows logged in --log {args.log}, which does not exist")
-        for row in [r for r in (args.rows or ROWS) if r != "pixels"]:
-            for seed in args.seeds:
-                top1 = add_linear(row, args, seed)
-                if top1 is not None:
-                    print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: linear {top1:.2f}%", flush=True)
-        rows = []
+    for kind, flag in (("linear_top1", "--add_linear"), ("curve", "--add_curve")):
+        if getattr(args, flag[2:]):
+            if not Path(args.log).is_file():
+                sys.exit(f"error: {flag} evaluates the rows logged in --log {args.log}, which does not exist")
+            for row in [r for r in (args.rows or ROWS) if r != "pixels"]:
+                for seed in args.seeds:
+                    value = add_evaluation(row, args, seed, kind)
+                    if value is not None:
+                        print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: {kind} {value}", flush=True)
+            rows = []
     for row in rows:
         # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0
         pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)

@@ -3,6 +3,7 @@ controlled comparison) are not run by CI: their runs take CPU-hours. Check here 
 comparison row still parses with its script's own arguments, the tables and the learning-curve picture."""
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -294,7 +295,8 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
         return 33.0 + len(probed)
     monkeypatch.setattr(compare.Evaluator, "linear", fake_linear)
     args = compare.get_args_parser().parse_args(["--phase", "test", "--log", str(log), "--work_dir", str(work)])
-    assert [compare.add_linear(row, args, seed) for row in ("vit_dino", "vit_random", "swin_dino") for seed in (0, 1)] \
+    assert [compare.add_evaluation(row, args, seed, "linear_top1") for row in ("vit_dino", "vit_random", "swin_dino")
+            for seed in (0, 1)] \
         == [None, 34.0, 35.0, 36.0, None, None]
     assert probed == [("vit_dino_recipe_test_seed1", "vit_dino_recipe_test_seed1", False),
                       ("vit_random_recipe_test_seed0", "vit_random_recipe_test_seed0", True),
@@ -306,6 +308,47 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
     assert after[1]["cpu_seconds"] == {"train": 2.0, "linear": 3.0}
     assert set(after[1]["linear_provenance"]) >= {"utc", "commit", "machine"}
     assert after[3:5] == records[3:5]        # the pixel row, and the line that a stamped one superseded, untouched
+
+
+def test_add_curve_evaluates_the_kept_checkpoints_of_the_logged_run_only(tmp_path, monkeypatch):
+    """--add_curve writes a learning curve into a logged line that has none, from the checkpoints its
+    training kept; one missing, or written outside that training's time, is refused in one line."""
+    log, work = tmp_path / "log.jsonl", tmp_path / "work"
+    records = [{**r, "started_utc": "2026-11-27T10:00:00Z", "utc": "2026-11-27T11:00:00Z", "commands": [],
+                "wall_seconds": {}, "cpu_seconds": {}} for r in fake_comparison_records() if r["phase"] == "test"]
+    records[2].pop("curve")                                          # vit_dino seed 1: no curve
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    folder = work / "fashion_mnist" / "vit_dino_recipe_test_seed1"
+    folder.mkdir(parents=True)
+    for name in ("checkpoint.pth", "checkpoint0004.pth"):
+        (folder / name).write_bytes(b"")
+    inside = provenance.utc_seconds("2026-11-27T10:30:00Z")
+    os.utime(folder / "checkpoint0004.pth", (inside, inside))
+
+    def fake_knn(self, weights, random_init=False, name="knn"):
+        self.commands.append(f"python eval_knn.py {weights.name}")
+        self.cpu_seconds["curve"] = 5.0
+        return 57.5
+    monkeypatch.setattr(compare.Evaluator, "knn", fake_knn)
+    monkeypatch.setattr(compare.Evaluator, "correspondence", lambda self, w, protocols=(), name="": {"overlap": {"accuracy": 16.0}})
+    argv = ["--phase", "test", "--log", str(log), "--work_dir", str(work), "--curve_every", "200"]
+    args = compare.get_args_parser().parse_args(argv)
+    assert [compare.add_evaluation(row, args, seed, "curve") for row, seed in
+            (("vit_dino", 0), ("vit_random", 1), ("vit_dino", 1))] == [None, None, [{"step": 200, "knn_top1": 57.5,
+                                                                                  "overlap_accuracy": 16.0}]]
+    after = results.read_log(log)
+    assert after[2]["curve"] == [{"step": 200, "knn_top1": 57.5, "overlap_accuracy": 16.0}]
+    assert after[2]["commands"] == ["python eval_knn.py checkpoint0004.pth"] and "curve_provenance" in after[2]
+    assert [r for i, r in enumerate(after) if i != 2] == [r for i, r in enumerate(records) if i != 2]
+    after[2].pop("curve")
+    log.write_text("".join(json.dumps(r) + "\n" for r in after))
+    late = provenance.utc_seconds("2026-11-27T12:00:00Z")                # a later run's checkpoint
+    os.utime(folder / "checkpoint0004.pth", (late, late))
+    with pytest.raises(SystemExit, match="checkpoint0004.pth is not from the logged run"):
+        compare.add_evaluation("vit_dino", args, 1, "curve")
+    (folder / "checkpoint0004.pth").unlink()
+    with pytest.raises(SystemExit, match="checkpoint0004.pth is missing"):
+        compare.add_evaluation("vit_dino", args, 1, "curve")
 
 
 def test_a_test_row_that_never_ran_on_validation_says_so():
