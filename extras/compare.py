@@ -252,7 +252,7 @@ def run_row(row, args, seed):
     if not args.skip_linear:
         record["linear_top1"] = evaluate.linear(weights)
     if seed in args.curve_seeds:
-        record["curve"] = curve_points(evaluate, out, args)
+        record["curve"] = curve_points(evaluate, kept_paths(out, args))
     return finished(record, evaluate, started)
 
 
@@ -264,29 +264,29 @@ def locked(log):
         yield
 
 
-def curve_points(evaluate, out, args):
-    """20-NN and `overlap` all-token accuracy of the checkpoints kept every --curve_every steps."""
+def kept_paths(out, args):
+    """{step: the checkpoint a training keeps there}, every --curve_every steps before its last."""
     every = args.curve_every // STEPS_PER_EPOCH
-    return [{"step": epoch * STEPS_PER_EPOCH,
-             "knn_top1": evaluate.knn(out / f"checkpoint{epoch:04d}.pth", name=f"curve_knn_{epoch:04d}"),
-             "overlap_accuracy": evaluate.correspondence(out / f"checkpoint{epoch:04d}.pth", protocols=("overlap",),
-                                                         name=f"curve_correspondence_{epoch:04d}")["overlap"]["accuracy"]}
-            for epoch in range(every, args.steps // STEPS_PER_EPOCH, every)]
+    return {e * STEPS_PER_EPOCH: out / f"checkpoint{e:04d}.pth" for e in range(every, args.steps // STEPS_PER_EPOCH, every)}
 
 
-def kept_checkpoints(record, out, args):
-    """The checkpoints a logged training kept for its curve; refused if one is missing or was not
-    written while that training ran (between the line's start and its time): a later run's would
-    put another network's figures into this line."""
-    kept = [out / f"checkpoint{e:04d}.pth" for e in range(args.curve_every // STEPS_PER_EPOCH,
-                                                          args.steps // STEPS_PER_EPOCH, args.curve_every // STEPS_PER_EPOCH)]
+def curve_points(evaluate, kept):
+    """20-NN and `overlap` all-token accuracy of each kept checkpoint ({step: path})."""
+    return [{"step": step, "knn_top1": evaluate.knn(path, name=f"curve_knn_{path.stem[10:]}"),
+             "overlap_accuracy": evaluate.correspondence(path, protocols=("overlap",), name=f"curve_correspondence_"
+                                                         f"{path.stem[10:]}")["overlap"]["accuracy"]}
+            for step, path in kept.items()]
+
+
+def check_kept(record, kept):
+    """Refuse a kept checkpoint that is missing or was not written while the logged training ran
+    (between its line's start and its time): a later run's would put another network into the line."""
     start, end = (provenance.utc_seconds(record[k]) for k in ("started_utc", "utc"))
     start = 0 if record.get("resumed") else start          # a resumed run kept some before its last process
-    for path in kept:
+    for path in kept.values():
         if not path.is_file() or not start <= path.stat().st_mtime <= end:
             sys.exit(f"error: {path} is {'missing' if not path.is_file() else 'not from the logged run'}: "
-                     f"{record['row']} seed {record['seed']} has no kept checkpoints for --curve_every {args.curve_every}")
-    return kept
+                     f"{record['row']} seed {record['seed']} has no learning curve to add")
 
 
 def add_evaluation(row, args, seed, kind):
@@ -301,15 +301,15 @@ def add_evaluation(row, args, seed, kind):
     if row in RANDOM_ROWS and not weights.is_file():
         provenance.starting_checkpoint(logged[0].get("start_of") or " ".join(train_command(row, args, seed)), weights)
     if not weights.is_file():
-        sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it cannot be probed")
+        sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it cannot be evaluated")
     if kind == "linear_top1" and (out / "linear").exists():
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
     if kind == "curve":
-        kept_checkpoints(logged[0], out, args)
+        check_kept(logged[0], kept_paths(out, args))
     started = provenance.start()
     evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
     value = (evaluate.linear(weights, random_init=row in RANDOM_ROWS) if kind == "linear_top1"
-             else curve_points(evaluate, out, args))
+             else curve_points(evaluate, kept_paths(out, args)))
     with locked(args.log):
         lines = Path(args.log).read_text().splitlines()
         for i, line in enumerate(lines):
