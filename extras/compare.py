@@ -281,12 +281,18 @@ def curve_points(evaluate, kept):
 def check_kept(record, kept):
     """Refuse a kept checkpoint that is missing or was not written while the logged training ran
     (between its line's start and its time): a later run's would put another network into the line."""
+    if not (record.get("started_utc") and record.get("utc")):
+        sys.exit(f"error: the line of {record['row']} seed {record['seed']} has no times (logged before stamps): "
+                 "which run kept its checkpoints is unknown; --relog --curve_seeds with its seed logs it with a curve")
     start, end = (provenance.utc_seconds(record[k]) for k in ("started_utc", "utc"))
     start = 0 if record.get("resumed") else start          # a resumed run kept some before its last process
-    for path in kept.values():
-        if not path.is_file() or not start <= path.stat().st_mtime <= end:
-            sys.exit(f"error: {path} is {'missing' if not path.is_file() else 'not from the logged run'}: "
-                     f"{record['row']} seed {record['seed']} has no learning curve to add")
+    for step, path in kept.items():
+        if not path.is_file():
+            sys.exit(f"error: {path} is missing: {record['row']} seed {record['seed']} kept no checkpoint at step "
+                     f"{step} (a --curve_every other than its training's?)")
+        if not start <= path.stat().st_mtime <= end:
+            sys.exit(f"error: {path} is not from the logged run of {record['row']} seed {record['seed']} (written "
+                     "outside its time): its curve cannot be added")
 
 
 def add_evaluation(row, args, seed, kind):

@@ -349,6 +349,9 @@ def test_add_curve_evaluates_the_kept_checkpoints_of_the_logged_run_only(tmp_pat
     (folder / "checkpoint0004.pth").unlink()
     with pytest.raises(SystemExit, match="checkpoint0004.pth is missing"):
         compare.add_evaluation("vit_dino", args, 1, "curve")
+    log.write_text("".join(json.dumps({k: v for k, v in r.items() if "utc" not in k}) + "\n" for r in after))
+    with pytest.raises(SystemExit, match="has no times"):                 # a line written before stamps
+        compare.add_evaluation("vit_dino", args, 1, "curve")
 
 
 def test_a_test_row_that_never_ran_on_validation_says_so():
