@@ -487,8 +487,7 @@ def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
         die(f"--crop {crop} is larger than --resize {resize}: the center crop would be padded with black; "
             f"use --resize {crop} or more (DINO: --resize 256 --crop 224)")
     return transforms.Compose([transforms.Resize(resize, interpolation=TF.InterpolationMode.BICUBIC),
-                               transforms.CenterCrop(crop), transforms.ToTensor(),
-                               transforms.Normalize(mean, std)])
+                               transforms.CenterCrop(crop), transforms.ToTensor(), transforms.Normalize(mean, std)])
 
 
 # ======== A4. The training step: schedules, optimiser details, EMA, mixed precision, collectives ====
@@ -616,8 +615,7 @@ def exit_after_preemption(output_dir):
 
 
 def progress(iterable, desc, total=None):
-    return tqdm(iterable, desc=desc, total=total, disable=not is_main_process(), dynamic_ncols=True,
-                mininterval=1.0)
+    return tqdm(iterable, desc=desc, total=total, disable=not is_main_process(), dynamic_ncols=True, mininterval=1.0)
 
 
 def peak_memory_mb(device):
@@ -1321,10 +1319,13 @@ def run_script(main, parser, argv=None):
         raise
     except (RuntimeError, OSError, EOFError) as e:     # a worker killed mid-batch breaks its pipe: OSError, EOFError
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # torch's handler would raise again while this process exits
-        try:
-            torch._C._error_if_any_worker_fails()       # "DataLoader worker (pid N) is killed by signal", if one is
-        except RuntimeError as dead:
-            e = dead
+        for _ in range(40 if isinstance(e, (OSError, EOFError)) else 1):   # a pipe can break before the dead
+            try:                                                            # worker is reaped: wait a little
+                torch._C._error_if_any_worker_fails()   # "DataLoader worker (pid N) is killed by signal", if one is
+                time.sleep(0.05)
+            except RuntimeError as e_worker:
+                e = e_worker
+                break
         lines, where = str(e).splitlines(), last_checkpoint()
         worker = next((line.split("DataLoader worker ", 1)[1].split(". ")[0].strip(" .") for line in lines
                        if "DataLoader worker (pid" in line), "")
@@ -1439,8 +1440,7 @@ def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     return g
 
 
-def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4),
-                       local_crops_number=8):
+def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4), local_crops_number=8):
     g = parser.add_argument_group("multi-crop augmentation")
     g.add_argument("--global_crops_scale", type=AREA_FRACTION, nargs=2, default=global_crops_scale,
                    help="area range of the 2 global crops (DINO: (0.14, 1) without local crops)")
