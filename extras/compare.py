@@ -354,7 +354,7 @@ def generated_blocks(records):
               for phase in ("test", "val") if phase == "test" or holdout}
     blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
                   added=compare_tables.added_table(records),
-                  differences_fashion_mnist_8k=differences_table(records, "fashion_mnist_8k"),
+                  **{f"differences_{data}": differences_table(records, data) for data in ("fashion_mnist_8k", "shapes")},
                   long_budget=compare_tables.long_budget_table(records), long_glance=compare_tables.long_glance_table(records),
                   long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged))
