@@ -259,9 +259,8 @@ class MultiCropAugmentation:
     """DINO's multi-crop: 2 global and N local crops with their geometry {"box": [x0, y0, w, h] (fractions),
     "flip", "image_size": [W, H]}; the blur radius scales with global_crop_size / 224; torch's RNG only."""
 
-    def __init__(self, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4),
-                 local_crops_number=8, global_crop_size=224, local_crop_size=96,
-                 mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    def __init__(self, global_crops_scale=(0.4, 1.0), local_crops_scale=(0.05, 0.4), local_crops_number=8,
+                 global_crop_size=224, local_crop_size=96, mean=IMAGENET_MEAN, std=IMAGENET_STD):
         self.global_scale, self.local_scale, self.n_local = tuple(global_crops_scale), tuple(local_crops_scale), local_crops_number
         self.global_size, self.local_size, self.mean, self.std = global_crop_size, local_crop_size, mean, std
         color = [transforms.RandomApply([transforms.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
@@ -1211,6 +1210,8 @@ _output_lock = None     # this process's claim on its --output_dir (`claim_outpu
 
 def make_folder(path, flag):
     """Create the folder that `flag` names (one line where it cannot be); whether it was created."""
+    if not str(path).strip():                            # e.g. an unset shell variable: never the current folder
+        die(f"{flag} is empty; give a folder name")
     path = Path(path)
     try:
         existed = path.is_dir()
@@ -1495,6 +1496,5 @@ def add_run_args(parser, saveckp_freq=20):
                         "on older GPUs (as the authors), else fp32; the choice is logged. On CUDA fp32 uses TF32")
     g.add_argument("--save_every_iters", default=0, type=COUNT,
                    help="also write checkpoint.pth every N steps (long epochs; resumes at the next unseen batch)")
-    g.add_argument("--max_steps_per_epoch", default=0, type=COUNT,
-                   help="stop each epoch after N steps (0 = full epoch)")
+    g.add_argument("--max_steps_per_epoch", default=0, type=COUNT, help="stop each epoch after N steps (0: full epoch)")
     return g

@@ -50,7 +50,7 @@ def get_args_parser():
     common.add_backbone_args(p, arch="vit_small", drop_path_rate=0.1)
 
     g = p.add_argument_group("DINO head and loss")
-    g.add_argument("--out_dim", default=65536, type=common.POSITIVE_INT,
+    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2),  # K = 1: the loss is 0
                    help="K, the number of prototypes; 65536 works well for ViT-S/16 on ImageNet")
     g.add_argument("--norm_last_layer", default=True, type=common.bool_flag,
                    help="freeze the gain of the weight-normalised last layer (stabler; set false for "

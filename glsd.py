@@ -75,7 +75,7 @@ def get_args_parser():
     common.add_backbone_args(p, arch="swin_tiny", drop_path_rate=0.1)
 
     g = p.add_argument_group("GLSD heads and loss")
-    g.add_argument("--out_dim", default=65536, type=common.POSITIVE_INT,
+    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2),  # K = 1: the loss is 0
                    help="K, the number of prototypes of both the view head and the region head")
     g.add_argument("--local_matching", default="geometric", choices=["none", "similarity", "geometric"],
                    help="how student tokens are paired with teacher tokens: geometric (nearest token "

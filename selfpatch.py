@@ -89,9 +89,9 @@ def get_args_parser():
     common.add_backbone_args(p, arch="vit_small", drop_path_rate=0.1)
 
     g = p.add_argument_group("DINO and SelfPatch heads and loss")
-    g.add_argument("--out_dim", default=65536, type=common.POSITIVE_INT,
+    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2),  # K = 1: the loss is 0
                    help="K, the number of prototypes of the image-token head (4096 for COCO)")
-    g.add_argument("--patch_out_dim", default=4096, type=common.POSITIVE_INT,
+    g.add_argument("--patch_out_dim", default=4096, type=common.ranged(int, 2),
                    help="K_p, the number of prototypes of the patch head (4096 for ImageNet and COCO)")
     g.add_argument("--k_num", default=4, type=common.POSITIVE_INT,
                    help="k, positives per patch among its 8 neighbours; the paper advises 4 for 8 and 16 px "

@@ -209,9 +209,12 @@ def test_an_error_on_one_torchrun_rank_stops_the_others_in_one_line(tmp_path):
     assert r.stderr.count("Traceback") == 1 and f"traceback : {rank0}" in r.stderr.split("Root Cause")[1]
 
 
-@pytest.mark.parametrize("case", ["file", "too_long", "read_only"])
+@pytest.mark.parametrize("case", ["file", "too_long", "read_only", "empty"])
 def test_unusable_output_dir_is_one_line(tmp_path, monkeypatch, case):
-    if case == "file":
+    if case == "empty":     # `--output_dir "$DIR"` with DIR unset: not the current folder
+        target, expected = "", "--output_dir is empty; give a folder name"
+        monkeypatch.chdir(tmp_path)
+    elif case == "file":
         target = tmp_path / "taken"
         target.write_text("a file")
         expected = f"--output_dir {target} is a file, not a folder"
@@ -226,6 +229,7 @@ def test_unusable_output_dir_is_one_line(tmp_path, monkeypatch, case):
     with pytest.raises(SystemExit, match=expected):
         common.claim_output_dir(target)
     assert common._output_lock is None
+    assert case != "empty" or not list(tmp_path.iterdir())
 
 
 def test_output_dir_that_is_a_file_stops_a_training_run_in_one_line(tmp_path):

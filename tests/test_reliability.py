@@ -514,7 +514,8 @@ def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(t
 # Numeric arguments out of range: refused at parse time, in one line
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script,flag,value", [
-    ("dino", "--epochs", "0"), ("dino", "--out_dim", "0"), ("dino", "--momentum_teacher", "2"), ("dino", "--lr", "-1"),
+    ("dino", "--epochs", "0"), ("dino", "--out_dim", "1"), ("selfpatch", "--patch_out_dim", "1"),
+    ("dino", "--momentum_teacher", "2"), ("dino", "--lr", "-1"),
     ("dino", "--local_crops_number", "-2"), ("dino", "--global_crops_scale", "0"), ("dino", "--teacher_temp", "0"),
     ("esvit", "--batch_size_per_gpu", "0"), ("glsd", "--warmup_epochs", "-1"), ("selfpatch", "--k_num", "0"),
     ("drloc", "--smoothing", "1.5"), ("drloc", "--input_size", "nan"), ("eval_knn", "--temperature", "0"),
