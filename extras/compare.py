@@ -403,6 +403,8 @@ def main():
     check_budget(args.steps, args.curve_every)
     os.chdir(ROOT)                     # the scripts run from the repository root; relative paths are from there
     rows = args.rows if args.rows is not None else [] if args.table else ROWS
+    if rows or args.add_linear or args.add_curve:
+        provenance.check_log_writable(args.log)
     if args.data == "fashion_mnist_8k" and rows:
         write_fashion_mnist_8k(args.data_dir)
     logged = provenance.read_log(args.log, LOG_KEYS) if rows and Path(args.log).exists() else []

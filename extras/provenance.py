@@ -181,6 +181,17 @@ def check_trained(cmd, out):
                  f"{Path(out) / 'checkpoint.pth'}")
 
 
+def check_log_writable(path, what="--log"):
+    """Before any training: the log each result is appended to can be written, else one line and exit 1
+    (found after an hour's run, a wrong path would lose its result)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        sys.exit(f"error: {what} {path}: its folder {path.parent} does not exist; nothing was run")
+    if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
+        reason = "a folder" if path.is_dir() else "no permission, or a read-only disk"
+        sys.exit(f"error: {what} {path} cannot be written ({reason}); nothing was run")
+
+
 def read_log(path, required=(), what="--log"):
     """The JSON records of a log; one line and exit 1 if it is missing, not a file, empty, not JSON
     lines, or a line lacks a `required` key (another script's log, e.g. a training log.txt), so that

@@ -191,6 +191,8 @@ def main():
     os.chdir(ROOT)
     if args.steps <= 0 or args.steps % 50:
         sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
+    if not args.table:
+        provenance.check_log_writable(args.log)
     todo = [vars(args)]
     if args.relog:
         todo = [{**vars(args), **line} for line in unstamped(provenance.read_log(args.log, LOG_KEYS))]

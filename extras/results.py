@@ -471,6 +471,8 @@ def main():
     args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
+    if args.runs:
+        provenance.check_log_writable(args.log)
     logged = {}                 # key: whether one of its lines is stamped
     for r in read_log(args.log) if args.runs and Path(args.log).is_file() else []:
         logged[log_key(r)] = logged.get(log_key(r), False) or bool(r.get("utc"))

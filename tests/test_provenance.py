@@ -61,6 +61,18 @@ def test_curves_refuse_a_log_that_is_not_a_comparison_log(tmp_path, copy, kind):
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("script,args", [("extras/compare.py", ["--rows", "vit_dino"]),
+                                         ("extras/results.py", ["--runs", "dino"]), ("extras/quickstart.py", [])])
+@pytest.mark.parametrize("kind", ["missing folder", "folder"])
+def test_a_log_that_cannot_be_written_stops_the_run_before_any_training(tmp_path, script, args, kind):
+    """Its result is appended at the end: a wrong --log path must not be found after an hour's run."""
+    log = {"missing folder": tmp_path / "no_such_folder" / "log.jsonl", "folder": tmp_path}[kind]
+    r = subprocess.run([sys.executable, script, *args, "--work_dir", str(tmp_path / "work"), "--log", str(log)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and not (tmp_path / "work").exists()
+    assert len(r.stderr.strip().splitlines()) == 1 and "nothing was run" in r.stderr, r.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # Every figure of a generated block comes from the log; every gain pairs a row with its own network
 # ------------------------------------------------------------------------------------------------
