@@ -1055,15 +1055,15 @@ def remove_stale_temporaries(output_dir):
 
 
 def load_checkpoint(path):
-    if Path(path).stat().st_size == 0:
-        die(f"checkpoint {path} is empty (0 bytes: a truncated copy?); replace it, or delete it to start afresh")
+    with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before torch 1.6, a pickle ("\x80\x02")
+        start = f.read(2)
+    if start not in (b"PK", b"\x80\x02"):  # e.g. an image: torch's own error would advise weights_only=False
+        die(f"checkpoint {path} is {f'not a PyTorch file (it starts {start!r})' if start else 'empty (0 bytes)'}")
     try:  # the authors' full checkpoints store their args as an argparse.Namespace
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        die(f"checkpoint {path} cannot be read ({Path(path).stat().st_size} bytes: truncated, or not a "
-            f"PyTorch file?): {reason}")
+        die(f"checkpoint {path} cannot be read (truncated?): {(str(e).strip() or type(e).__name__).splitlines()[0]}")
 
 
 def load_state_dict_strict(module, state_dict, what="model"):
@@ -1413,7 +1413,7 @@ def ranged(kind, low=None, high=None, low_open=False):
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
         too_low = low is not None and (value <= low if low_open else value < low)
-        if too_low or (high is not None and value > high) or value != value:  # value != value: NaN
+        if too_low or (high is not None and value > high) or not math.isfinite(value):  # inf, NaN
             raise argparse.ArgumentTypeError(f"{text} is out of range: expected a value in {bounds}")
         return value
     parse.__name__ = f"{kind.__name__} in {bounds}"

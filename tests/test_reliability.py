@@ -483,15 +483,19 @@ def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted
     assert f"removed {stale}" in r.stdout
 
 
-@pytest.mark.parametrize("damage", ["empty", "truncated"])
+@pytest.mark.parametrize("damage", ["empty", "truncated", "image"])
 def test_empty_or_truncated_checkpoint_is_named(dino_uninterrupted, tmp_path, damage):
     data = (dino_uninterrupted / "checkpoint.pth").read_bytes()
-    (tmp_path / "checkpoint.pth").write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    if damage == "image":     # torch's own error would advise `weights_only=False`: wrong advice for a picture
+        Image.new("RGB", (8, 8)).save(tmp_path / "checkpoint.pth", format="PNG")
+    else:
+        (tmp_path / "checkpoint.pth").write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
     r = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     line = last_line(r)
     assert line.startswith(f"error: checkpoint {tmp_path / 'checkpoint.pth'}")
-    assert ("is empty (0 bytes" if damage == "empty" else "truncated") in line
+    assert {"empty": "is empty (0 bytes", "truncated": "truncated", "image": "is not a PyTorch file"}[damage] in line
+    assert "weights_only" not in line
     assert line.rstrip().split(":")[-1].strip()            # a reason, never a blank one
 
 
@@ -515,7 +519,7 @@ def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(t
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script,flag,value", [
     ("dino", "--epochs", "0"), ("dino", "--out_dim", "1"), ("selfpatch", "--patch_out_dim", "1"),
-    ("dino", "--momentum_teacher", "2"), ("dino", "--lr", "-1"),
+    ("dino", "--momentum_teacher", "2"), ("dino", "--lr", "-1"), ("dino", "--lr", "inf"), ("glsd", "--teacher_temp", "inf"),
     ("dino", "--local_crops_number", "-2"), ("dino", "--global_crops_scale", "0"), ("dino", "--teacher_temp", "0"),
     ("esvit", "--batch_size_per_gpu", "0"), ("glsd", "--warmup_epochs", "-1"), ("selfpatch", "--k_num", "0"),
     ("drloc", "--smoothing", "1.5"), ("drloc", "--input_size", "nan"), ("eval_knn", "--temperature", "0"),
