@@ -320,11 +320,10 @@ def drloc_regime(records):
     lengths = sorted({n for _, n in found}, reverse=True)
     lines += [compare(("swin", n), ("vit", n), f"a larger gain for the Swin than for the ViT ({n} epochs)")
               for n in lengths if ("swin", n) in found and ("vit", n) in found]
-    for arch in DRLOC_ARCHS:
+    for arch in DRLOC_ARCHS:                 # each length against the next longer one: where the gain turns
         mine = sorted(n for a, n in found if a == arch)
-        if len(mine) > 1:
-            lines.append(compare((arch, mine[0]), (arch, mine[-1]), f"a larger gain for shorter training (`{arch}`, "
-                                                                    f"{mine[0]} against {mine[-1]} epochs)"))
+        lines += [compare((arch, a), (arch, b), f"a larger gain for shorter training (`{arch}`, {a} against {b} epochs)")
+                  for a, b in zip(mine, mine[1:])]
     lines += [f"- the test split, once (its first 5000 images), `{arch}`, {n} epochs: {say(diffs)}"
               for (arch, n), diffs in tested.items()]
     return "\n".join(lines)

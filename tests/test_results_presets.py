@@ -575,7 +575,9 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
              for r in records if r["variant"] == "recipe"]             # another variant at the recipe's length
     text = results.drloc_regime(records + longer + other)
     assert "- `swin`, 30 epochs: +3.50 (seeds +4.00, +3.00; ± 0.50)" in text
-    assert "(`swin`, 2 against 30 epochs): holds here (gap +1.00" in text        # +4.5 against +3.5
+    assert "(`swin`, 6 against 30 epochs): does not hold here (gap -1.00" in text  # +2.5 against +3.5
+    assert "(`swin`, 2 against 6 epochs): holds here (gap +2.00" in text          # each length against the next
+    assert "2 against 30 epochs" not in text
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
     assert "- `swin`, 6 epochs: +2.50 (seeds +3.00, +2.00; ± 0.50)" in text       # the recipe's, not `lr`'s
     assert "test split" not in text
