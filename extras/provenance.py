@@ -2,7 +2,7 @@
 extras/results.py and extras/quickstart.py; not a script).
 
 - `stamp(started)`: what every new JSON line of a log records beside its numbers: the UTC times,
-  the commit (and the tracked files that differed from it), and the machine (CPU model, cores,
+  the commit at the start (and the tracked files that differed from it then), and the machine (CPU model, cores,
   threads per process, load average at the start and at the end). `superseded`: a line written
   before stamps existed gives way to the same work run again, stamped.
 - `network_signature(ckpt)`: the network an evaluation reads from a checkpoint, as eval_knn.py
@@ -65,16 +65,18 @@ def load_average():
 
 
 def start():
-    """What `stamp` needs from the start of a logged piece of work."""
-    return {"started_utc": utc_now(), "load_average_start": load_average()}
+    """What `stamp` needs from the start of a logged piece of work, the commit included: the code that
+    runs is the one checked out now, whatever is committed before the work ends."""
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {"started_utc": utc_now(), "load_average_start": load_average(), "commit": git("rev-parse", "HEAD"),
+            "uncommitted": changed}
 
 
 def stamp(started):
     """The provenance of a JSON line written now, for work begun at `started` (`start()`)."""
     import torch
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {**{"started_utc": started["started_utc"]}, "utc": utc_now(), "commit": git("rev-parse", "HEAD"),
-            "uncommitted": changed,
+    return {"started_utc": started["started_utc"], "utc": utc_now(), "commit": started["commit"],
+            "uncommitted": started["uncommitted"],
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                         "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),   # what results.run gives each command
                         "load_average_start": started["load_average_start"], "load_average_end": load_average(),

@@ -247,3 +247,16 @@ def test_the_random_init_row_evaluates_the_runs_starting_weights(tmp_path, monke
         assert {prefix + k for k in state} <= set(captured), script
         for k, v in state.items():
             assert torch.equal(v, captured[prefix + k]), (script, k)
+
+
+def test_a_line_names_the_commit_its_work_started_from(monkeypatch):
+    """A commit made while a run trains (a log line, a doc) is not the code that ran: the stamp keeps the start's."""
+    sys.path.insert(0, str(ROOT / "extras"))
+    import provenance
+    head = {"rev-parse": "a" * 40, "status": " M common.py"}
+    monkeypatch.setattr(provenance, "git", lambda *args: head[args[0]])
+    started = provenance.start()
+    head.update({"rev-parse": "b" * 40, "status": ""})                  # committed during the run
+    line = provenance.stamp(started)
+    assert line["commit"] == "a" * 40 and line["uncommitted"] == ["common.py"]
+    assert line["started_utc"] == started["started_utc"] and line["machine"]["load_average_end"]
