@@ -1055,15 +1055,15 @@ def remove_stale_temporaries(output_dir):
 
 
 def load_checkpoint(path):
-    with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before torch 1.6, a pickle ("\x80\x02")
-        start = f.read(2)
-    if start not in (b"PK", b"\x80\x02"):  # e.g. an image: torch's own error would advise weights_only=False
-        die(f"checkpoint {path} is {f'not a PyTorch file (it starts {start!r})' if start else 'empty (0 bytes)'}")
-    try:  # the authors' full checkpoints store their args as an argparse.Namespace
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before torch 1.6, a pickle
+            start = f.read(2)
+        if start in (b"PK", b"\x80\x02"):  # else e.g. an image, where torch would advise weights_only=False
+            with torch.serialization.safe_globals([argparse.Namespace]):  # the authors' args: a Namespace
+                return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         die(f"checkpoint {path} cannot be read (truncated?): {(str(e).strip() or type(e).__name__).splitlines()[0]}")
+    die(f"checkpoint {path} is {f'not a PyTorch file (it starts {start!r})' if start else 'empty (0 bytes)'}")
 
 
 def load_state_dict_strict(module, state_dict, what="model"):

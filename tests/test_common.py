@@ -1161,6 +1161,15 @@ def test_load_checkpoint_error_names_file(tmp_path):
         common.load_checkpoint(bad)
 
 
+def test_load_checkpoint_reads_the_legacy_format_and_names_a_picture(tmp_path):
+    """Released weights from before torch 1.6 are a pickle, not a zip archive: read them; an image is refused by name."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    assert torch.equal(common.load_checkpoint(tmp_path / "legacy.pth")["w"], torch.ones(2))
+    Image.new("RGB", (4, 4)).save(tmp_path / "picture.pth", format="PNG")
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path / 'picture.pth'} is not a PyTorch file")):
+        common.load_checkpoint(tmp_path / "picture.pth")
+
+
 def test_rng_state_roundtrip_through_weights_only_load(tmp_path):
     np.random.randn(1)  # leaves a cached Gaussian in numpy's state
     random.gauss(0, 1)  # and in Python's

@@ -483,18 +483,21 @@ def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted
     assert f"removed {stale}" in r.stdout
 
 
-@pytest.mark.parametrize("damage", ["empty", "truncated", "image"])
+@pytest.mark.parametrize("damage", ["empty", "truncated", "image", "folder"])
 def test_empty_or_truncated_checkpoint_is_named(dino_uninterrupted, tmp_path, damage):
     data = (dino_uninterrupted / "checkpoint.pth").read_bytes()
     if damage == "image":     # torch's own error would advise `weights_only=False`: wrong advice for a picture
         Image.new("RGB", (8, 8)).save(tmp_path / "checkpoint.pth", format="PNG")
+    elif damage == "folder":
+        (tmp_path / "checkpoint.pth").mkdir()
     else:
         (tmp_path / "checkpoint.pth").write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
     r = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     line = last_line(r)
     assert line.startswith(f"error: checkpoint {tmp_path / 'checkpoint.pth'}")
-    assert {"empty": "is empty (0 bytes", "truncated": "truncated", "image": "is not a PyTorch file"}[damage] in line
+    assert {"empty": "is empty (0 bytes", "truncated": "truncated", "image": "is not a PyTorch file",
+            "folder": "Is a directory"}[damage] in line
     assert "weights_only" not in line
     assert line.rstrip().split(":")[-1].strip()            # a reason, never a blank one
 
