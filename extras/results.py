@@ -276,27 +276,28 @@ def paired_difference(records, phase, run="drloc", baseline="drloc_base", varian
             f"{verdict} two standard errors of the mean")
 
 
-def drloc_epochs(record):
-    """The epochs a DRLoc run trained: its command's last --epochs (an --extra's), else its variant's."""
-    found = re.findall(r"--epochs (\d+)", record.get("train_command", ""))
-    return int(found[-1]) if found else {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}[record.get("variant", "recipe")]
+def drloc_setting(record):
+    """(data, epochs) of a DRLoc run: its command's last --dataset and --epochs (an --extra's), else the recipe's."""
+    command = record.get("train_command", "")
+    data, epochs = re.findall(r"--dataset (\w+)", command) or ["fashion_mnist"], re.findall(r"--epochs (\d+)", command)
+    default = {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}.get(record.get("variant", "recipe"))
+    return {"synthetic": "shapes"}.get(data[-1], data[-1]), int(epochs[-1]) if epochs else default
 
 
 def drloc_regime(records):
-    """Whether the DRLoc paper's direction holds on the small-dataset runs (a larger gain of λ = 0.5
-    over λ = 0 for the Swin than for the ViT, and for shorter training) from the paired differences
-    of every training length logged on validation, with what the seeds allow; then the test split's."""
-    def paired(phase):             # {(arch, epochs): differences by seed}, one variant per length: the recipe's first
-        epochs, found = {}, {}
+    """Whether the DRLoc paper's direction holds on the small-dataset runs (a larger gain of λ = 0.5 over λ = 0 for
+    the Swin than for the ViT, and for shorter training), per dataset and length on validation; then the test's."""
+    def paired(phase):             # {(arch, data, epochs): differences by seed}, one variant per setting: the recipe's first
+        settings, found = {}, {}
         for r in records:
             arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
             if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
-                epochs[arch, r.get("variant", "recipe")] = drloc_epochs(r)
-        order = lambda item: (list(DRLOC_ARCHS).index(item[0][0]), -item[1], item[0][1] != "recipe")   # noqa: E731
-        for (arch, variant), n in sorted(epochs.items(), key=order):
+                settings[arch, r.get("variant", "recipe")] = drloc_setting(r)
+        order = lambda kv: (kv[1][0], list(DRLOC_ARCHS).index(kv[0][0]), -kv[1][1], kv[0][1] != "recipe")  # noqa: E731
+        for (arch, variant), (data, n) in sorted(settings.items(), key=order):
             diffs = paired_difference(records, phase, f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
-            if diffs and (arch, n) not in found:
-                found[arch, n] = diffs
+            if diffs and (arch, data, n) not in found:
+                found[arch, data, n] = diffs
         return found
     found, tested = paired("val"), paired("test")
     if not found:
@@ -315,17 +316,17 @@ def drloc_regime(records):
         holds = statistics.mean(gap) > 0
         return (f"- {what}: {'holds' if holds else 'does not hold'} here (gap {say(gap)}; "
                 f"{'the same sign with every seed' if agree else 'the seeds disagree: within seed noise'})")
+    on = lambda data: "" if data == "fashion_mnist" else f", {data}"   # noqa: E731
     lines = ["DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first 5000 train images:"]
-    lines += [f"- `{arch}`, {n} epochs: {say(diffs)}" for (arch, n), diffs in found.items()]
-    lengths = sorted({n for _, n in found}, reverse=True)
-    lines += [compare(("swin", n), ("vit", n), f"a larger gain for the Swin than for the ViT ({n} epochs)")
-              for n in lengths if ("swin", n) in found and ("vit", n) in found]
-    for arch in DRLOC_ARCHS:                 # each length against the next longer one: where the gain turns
-        mine = sorted(n for a, n in found if a == arch)
-        lines += [compare((arch, a), (arch, b), f"a larger gain for shorter training (`{arch}`, {a} against {b} epochs)")
-                  for a, b in zip(mine, mine[1:])]
-    lines += [f"- the test split, once (its first 5000 images), `{arch}`, {n} epochs: {say(diffs)}"
-              for (arch, n), diffs in tested.items()]
+    lines += [f"- `{arch}`, {n} epochs{on(data)}: {say(diffs)}" for (arch, data, n), diffs in found.items()]
+    lines += [compare(("swin", d, n), ("vit", d, n), f"a larger gain for the Swin than for the ViT ({n} epochs{on(d)})")
+              for d, n in dict.fromkeys((d, n) for _, d, n in found) if {("swin", d, n), ("vit", d, n)} <= found.keys()]
+    for arch, data in dict.fromkeys((a, d) for a, d, _ in found):   # each length against the next longer one
+        mine = sorted(n for a, d, n in found if (a, d) == (arch, data))
+        lines += [compare((arch, data, a), (arch, data, b), f"a larger gain for shorter training (`{arch}`, {a} "
+                          f"against {b} epochs{on(data)})") for a, b in zip(mine, mine[1:])]
+    lines += [f"- the test split, once (its first 5000 images), `{arch}`, {n} epochs{on(data)}: {say(diffs)}"
+              for (arch, data, n), diffs in tested.items()]
     return "\n".join(lines)
 
 

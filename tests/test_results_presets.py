@@ -587,6 +587,15 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
     assert text.endswith("- the test split, once (its first 5000 images), `vit`, 30 epochs: +0.75 (seeds +1.00, "
                          "+0.50; ± 0.25)")                            # test pairs never enter the validation lines
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
+    shapes = [{**r, "variant": "shapes30", "top1": r["top1"] + (0.0 if r["run"].endswith("_base") else 2.0),
+               "train_command": f"python drloc.py --dataset fashion_mnist --epochs 30 --dataset synthetic --seed {r['seed']}"}
+              for r in longer]                                          # the same length on a second dataset
+    text = results.drloc_regime(records + longer + other + shapes)
+    assert "- `swin`, 30 epochs: +3.50 (seeds +4.00, +3.00; ± 0.50)" in text     # Fashion-MNIST's pair stays its own
+    assert "- `swin`, 30 epochs, shapes: +5.50 (seeds +6.00, +5.00; ± 0.50)" in text
+    assert "a larger gain for the Swin than for the ViT (30 epochs, shapes): holds here (gap +1.75" in text
+    assert "(`swin`, 6 against 30 epochs): does not hold here (gap -1.00" in text   # within Fashion-MNIST only
+    assert "against 30 epochs, shapes" not in text and "30 against 30" not in text
 
 
 def test_a_resumed_run_is_logged_without_a_train_time(tmp_path, monkeypatch):
