@@ -1044,9 +1044,8 @@ def save_checkpoint(state, path):
 def remove_stale_temporaries(output_dir):
     """Delete the temporary files that a killed `save_checkpoint` left (not those of a live process)."""
     for tmp in Path(output_dir).glob(".*.pth.tmp*"):
-        pid = tmp.name.rsplit(".tmp", 1)[1]
-        try:
-            os.kill(int(pid), 0)           # alive (PermissionError: another user's): a save in progress, kept
+        try:       # the writer's pid is the name's tail; alive (PermissionError: another user's): a save in progress
+            os.kill(int(tmp.name.rsplit(".tmp", 1)[1]), 0)
         except ProcessLookupError:
             tmp.unlink(missing_ok=True)
             log(f"removed {tmp}, left by an interrupted checkpoint write")
@@ -1054,16 +1053,17 @@ def remove_stale_temporaries(output_dir):
             pass
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, what="checkpoint", remedy=""):
     try:
         with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before torch 1.6, a pickle
             start = f.read(2)
         if start in (b"PK", b"\x80\x02"):  # else e.g. an image, where torch would advise weights_only=False
             with torch.serialization.safe_globals([argparse.Namespace]):  # the authors' args: a Namespace
                 return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        die(f"checkpoint {path} cannot be read (truncated?): {(str(e).strip() or type(e).__name__).splitlines()[0]}")
-    die(f"checkpoint {path} is {f'not a PyTorch file (it starts {start!r})' if start else 'empty (0 bytes)'}")
+    except Exception as e:  # OSError: the file system's reason (a folder, no permission); else torch's (a cut-off write?)
+        die(f"{what} {path} cannot be read{'' if isinstance(e, OSError) else ' (truncated?)'}: "
+            f"{(str(e).strip() or type(e).__name__).splitlines()[0]}{remedy}")
+    die(f"{what} {path} is {f'not a PyTorch file (it starts {start!r})' if start else 'empty (0 bytes)'}{remedy}")
 
 
 def load_state_dict_strict(module, state_dict, what="model"):

@@ -407,14 +407,8 @@ def load_features(folder):
     """What --dump_features wrote into `folder`: train and test features [N, D] and labels [N], checked."""
     if not all((Path(folder) / name).is_file() for name in FEATURE_FILES):
         common.die(f"--load_features {folder} must hold {', '.join(FEATURE_FILES)} (written by --dump_features)")
-    loaded = []
-    for name in FEATURE_FILES:
-        try:
-            loaded.append(torch.load(Path(folder) / name, map_location="cpu", weights_only=True))
-        except Exception as e:  # empty, truncated, not written by torch
-            common.die(f"--load_features {Path(folder) / name} cannot be read ({(Path(folder) / name).stat().st_size} "
-                       f"bytes): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; write the "
-                       f"features again with --dump_features")
+    loaded = [common.load_checkpoint(Path(folder) / name, "--load_features", "; write the features again with "
+                                     "--dump_features") for name in FEATURE_FILES]   # empty, truncated, not torch's
     train_features, train_labels, test_features, test_labels = loaded
     fit = (all(torch.is_tensor(t) for t in loaded) and train_features.ndim == test_features.ndim == 2
            and train_labels.ndim == test_labels.ndim == 1 and train_features.shape[1] == test_features.shape[1]

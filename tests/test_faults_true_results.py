@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import tqdm
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "extras")]
@@ -384,8 +385,13 @@ def test_eval_knn_load_features_that_are_empty_or_do_not_fit_are_one_line(tmp_pa
     for name in eval_knn.FEATURE_FILES:
         (tmp_path / name).write_bytes(b"")
     args = parse(eval_knn, ["--load_features", str(tmp_path), "--nb_knn", "1"])
-    with pytest.raises(SystemExit, match=f"--load_features {tmp_path / 'trainfeat.pth'} cannot be read \\(0 bytes\\)"):
+    with pytest.raises(SystemExit, match=f"--load_features {tmp_path / 'trainfeat.pth'} is empty \\(0 bytes\\); write "
+                                         "the features again with --dump_features"):
         eval_knn.main(args)
+    Image.new("RGB", (8, 8)).save(tmp_path / "trainfeat.pth", format="PNG")   # torch would advise weights_only=False
+    with pytest.raises(SystemExit, match="trainfeat.pth is not a PyTorch file \\(it starts b'\\\\x89P'\\)") as error:
+        eval_knn.main(args)
+    assert "weights_only" not in str(error.value)
     for name, value in zip(eval_knn.FEATURE_FILES, (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long),
                                                     torch.zeros(2, 6), torch.zeros(2, dtype=torch.long))):
         torch.save(value, tmp_path / name)
