@@ -372,13 +372,9 @@ def reproducing_commands(records):
     for r in records:
         extra = "" if r["run"] == "pixels" else extra_flags(r)
         groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra), []).append(r["seed"])
-    lines = []
-    for (name, variant, phase, extra), seeds in groups.items():
-        line = f"python extras/results.py --runs {name} --phase {phase}"
-        if name != "pixels":
-            line += f" --seeds {' '.join(str(s) for s in sorted(seeds))}"
-        lines.append(line + variant_flags(variant, extra))
-    return lines
+    return [f"python extras/results.py --runs {name} --phase {phase}"
+            + ("" if name == "pixels" else f" --seeds {' '.join(str(s) for s in sorted(seeds))}")
+            + variant_flags(variant, extra) for (name, variant, phase, extra), seeds in groups.items()]
 
 
 def variant_flags(variant, extra):
@@ -471,6 +467,8 @@ def main():
     args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
+    if RUN_PLACE_FLAGS & {word.split("=")[0] for word in args.extra.split()}:   # e.g. a test line trained with --holdout
+        sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, --seeds and --work_dir do")
     if args.runs:
         provenance.check_log_writable(args.log)
     logged = {}                 # key: whether one of its lines is stamped

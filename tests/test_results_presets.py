@@ -86,6 +86,16 @@ def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_repla
     assert "| dino | recipe | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # the stamped lines alone
 
 
+@pytest.mark.parametrize("extra", ["--holdout 10000", "--epochs 2 --holdout=10000", "--seed 3", "--output_dir x"])
+def test_results_extra_cannot_set_what_the_phase_and_seed_set(tmp_path, monkeypatch, extra):
+    """A test line trained with --extra "--holdout ..." would be scored on validation images: refused before any run."""
+    monkeypatch.setattr(results, "train_and_evaluate", lambda *a: pytest.fail("nothing may run"))
+    monkeypatch.setattr(sys, "argv", ["results.py", "--runs", "dino", "--phase", "test", "--variant", "v",
+                                      f"--extra={extra}", "--log", str(tmp_path / "log.jsonl")])
+    with pytest.raises(SystemExit, match="--extra cannot set --holdout, --output_dir, --seed: --phase, --seeds"):
+        results.main()
+
+
 def test_quickstart_relog_runs_only_unstamped_keys_again_with_their_own_flags(tmp_path, monkeypatch):
     log = tmp_path / "quickstart.jsonl"
     line = {"data": "fashion_mnist", "trained_on": "fashion_mnist", "phase": "val", "steps": 250,
