@@ -130,8 +130,7 @@ def build_backbone(arch, patch_size=16, window_size=7, drop_path_rate=0.0, img_s
     if arch not in ARCHS:
         die(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
     cfg = {**ARCHS[arch], **overrides}
-    family = cfg.pop("family")
-    norm_layer = partial(nn.LayerNorm, eps=layer_norm_eps)
+    family, norm_layer = cfg.pop("family"), partial(nn.LayerNorm, eps=layer_norm_eps)
     if family == "vit":
         if patch_size < 1 or img_size % patch_size:
             die(f"--patch_size {patch_size} does not divide the {img_size} px global crop; choose a divisor "
@@ -274,8 +273,7 @@ class MultiCropAugmentation:
 
     def plan(self):
         """(size, scale, photometric pipeline) of every crop, in the order they are drawn."""
-        return ([(self.global_size, self.global_scale, self.global1),
-                 (self.global_size, self.global_scale, self.global2)]
+        return ([(self.global_size, self.global_scale, views) for views in (self.global1, self.global2)]
                 + [(self.local_size, self.local_scale, self.local)] * self.n_local)
 
     @staticmethod
@@ -707,8 +705,7 @@ class FashionMNIST(torch.utils.data.Dataset):
     DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
 
     def __init__(self, root=None, train=True):
-        root = Path(root or self.DEFAULT_ROOT)
-        prefix = "train" if train else "t10k"
+        root, prefix = Path(root or self.DEFAULT_ROOT), "train" if train else "t10k"
         found = [next((root / f"{prefix}-{kind}-ubyte{ext}" for ext in (".gz", "")
                        if (root / f"{prefix}-{kind}-ubyte{ext}").exists()), None) for kind in ("images-idx3", "labels-idx1")]
         if None in found:
@@ -852,8 +849,7 @@ def build_eval_splits(args):
 # ======== B2. Processes, devices, loaders and preemption signals ==================================
 def init_distributed(device="auto"):
     """The device; under torchrun (RANK set) a process group, of one process too (NCCL on GPUs, else gloo)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, world_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and re.fullmatch(r"cuda:\d+", device):
         die(f"--device {device} would put all {world_size} processes of this torchrun job on one GPU; "
             f"use --device cuda (or auto): each process takes the GPU of its LOCAL_RANK")
@@ -1318,7 +1314,7 @@ def run_script(main, parser, argv=None):
         if isinstance(e.code, str):       # die(): a user error
             report_to_torchrun(e.code)
         raise
-    except (RuntimeError, OSError, EOFError) as e:     # a worker killed mid-batch breaks its pipe: OSError, EOFError
+    except (RuntimeError, OSError, EOFError, MemoryError) as e:  # a worker killed mid-batch: OSError, EOFError
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # torch's handler would raise again while this process exits
         for _ in range(40 if isinstance(e, (OSError, EOFError)) else 1):   # a pipe can break before the dead
             try:                                                            # worker is reaped: wait a little
@@ -1331,6 +1327,7 @@ def run_script(main, parser, argv=None):
         worker = next((line.split("DataLoader worker ", 1)[1].split(". ")[0].strip(" .") for line in lines
                        if "DataLoader worker (pid" in line), "")
         peer = next((line for line in lines if any(s in line for s in PEER_LOST)), "") if is_dist() else ""
+        memory = next((s.split("Error: ")[-1] for line in lines for s in line.split(". ") if "allocate" in s), "")
         if isinstance(e, BadImageError):
             message = "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
         elif worker:      # the steps since the last checkpoint are lost
@@ -1340,6 +1337,9 @@ def run_script(main, parser, argv=None):
         elif peer:
             message = (f"error: process {get_rank()} stops because another process of this run has stopped (its error "
                        f"is above); torch: {peer.split('] ', 1)[-1].split('. ')[0].strip()}")
+        elif memory or isinstance(e, MemoryError):    # "Tried to / can't / Unable to allocate": CUDA's, CPU's, numpy's
+            message = (f"error: out of memory ({memory or type(e).__name__}){where}; lower --batch_size_per_gpu (now "
+                       f"{getattr(args, 'batch_size_per_gpu', '?')}) or the crop and image sizes")
         else:
             raise
         close_progress_bars(end_line=bool(worker))       # the error starts a line

@@ -306,6 +306,39 @@ def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeyp
         signal.signal(signal.SIGCHLD, previous)
 
 
+@pytest.mark.parametrize("error, reason", [
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"),
+     "Tried to allocate 2.00 GiB"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 549772591232 bytes. Error code 12 (Cannot allocate memory)"),
+     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 549772591232 bytes"),
+    (MemoryError("Unable to allocate 74.5 GiB for an array with shape (100000, 100000, 1)"),
+     "Unable to allocate 74.5 GiB for an array with shape (100000, 100000, 1)"),
+    (RuntimeError("Caught MemoryError in DataLoader worker process 0.\nnumpy._core._exceptions._ArrayMemoryError: "
+                  "Unable to allocate 74.5 GiB for an array"), "Unable to allocate 74.5 GiB for an array"),
+    (MemoryError(), "MemoryError")])
+def test_out_of_memory_is_one_line_naming_the_batch(error, reason):
+    """A batch, crop or image too large for the GPU or the CPU's memory (torch's CUDA and CPU allocators, numpy
+    drawing a synthetic image, the same in a loader worker) stops with one line: what could not be allocated and
+    which flags to lower, not a traceback from inside torch."""
+    def main(args):
+        raise error
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch_size_per_gpu", type=int, default=64)
+    with pytest.raises(SystemExit) as stop:
+        common.run_script(main, parser, argv=[])
+    assert stop.value.code == (f"error: out of memory ({reason}); lower --batch_size_per_gpu (now 64) or the crop "
+                               f"and image sizes")
+
+
+def test_an_error_that_is_not_memory_keeps_its_traceback():
+    """Only an allocation failure becomes the memory line: another RuntimeError from torch is raised as it is."""
+    def main(args):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        common.run_script(main, argparse.ArgumentParser(), argv=[])
+
+
 # ------------------------------------------------------------------------------------------------
 # Case 12: weights that are not a network's
 # ------------------------------------------------------------------------------------------------
