@@ -75,7 +75,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image, ImageOps
-from timm.data import Mixup, auto_augment, create_transform
+from timm.data import Mixup, create_transform
 from timm.loss import SoftTargetCrossEntropy
 from timm.models import swin_transformer, vision_transformer
 
@@ -98,9 +98,9 @@ def get_args_parser():
                         "linear decay towards 0 at the last epoch; constant: the paper's text")
     g.add_argument("--lambda_warmup_epochs", default=20, type=common.COUNT, help="epochs of lambda warmup (warmup_decay)")
     g.add_argument("--drloc_mode", default="l1", choices=["l1", "ce", "reg", "all", "exh"],
-                   help="l1 (best in the paper), ce (classify offsets), reg (Gaussian-prior regression, Eq. 6), "
-                        "all (one l1 head per Swin stage; worse than the baseline in the paper), "
-                        "exh (every token once with a random partner, m = k^2)")
+                   help="l1 (best in the paper), ce (classify offsets), reg (Gaussian-prior regression, Eq. 6), all "
+                        "(one l1 head per Swin stage; worse than the baseline in the paper), exh (every token once "
+                        "with a random partner, m = k^2)")
     g.add_argument("--drloc_targets", default="abs", choices=["abs", "signed"],
                    help="abs |Delta| (the published recipe) or signed Delta + k - 1 (the paper's L*, worse)")
     g.add_argument("--drloc_pairs", default=64, type=common.POSITIVE_INT,
@@ -130,8 +130,7 @@ def get_args_parser():
     g.add_argument("--lr", default=5e-4, type=common.NONNEGATIVE, help="peak lr at total batch 512 (linear scaling)")
     g.add_argument("--warmup_lr", default=5e-7, type=common.NONNEGATIVE, help="lr at the first step, at total batch 512")
     g.add_argument("--min_lr", default=5e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine, at total batch 512")
-    g.add_argument("--warmup_epochs", default=20, type=common.COUNT,
-                   help="linear lr warmup (from scratch 20, fine-tuning 10)")
+    g.add_argument("--warmup_epochs", default=20, type=common.COUNT, help="linear lr warmup (from scratch 20, fine-tuning 10)")
     g.add_argument("--weight_decay", default=0.05, type=common.NONNEGATIVE,
                    help="AdamW weight decay (not on biases, norms and position tables)")
     g.add_argument("--clip_grad", default=5.0, type=common.NONNEGATIVE, help="global gradient-norm clip (0 = off)")
@@ -351,13 +350,15 @@ NO_WEIGHT_DECAY = ("relative_position_bias_table", "pos_embed", "cls_token")
 def train_transform(args):
     """Swin's training augmentation, built by timm: RandomResizedCrop (bicubic) + flip + RandAugment
     + normalise + random erasing (all its draws are seeded per sample by common.SeededDataset)."""
-    transform = create_transform(args.input_size, is_training=True, color_jitter=0.4, auto_augment=args.aa or None,
-                                 interpolation="bicubic", re_prob=args.reprob, re_mode="pixel", re_count=1)
+    try:
+        transform = create_transform(args.input_size, is_training=True, color_jitter=0.4, auto_augment=args.aa or None,
+                                     interpolation="bicubic", re_prob=args.reprob, re_mode="pixel", re_count=1)
+    except AssertionError as e:     # timm's check of the policy's name
+        common.die(f"--aa {args.aa!r}: {e}; give a timm policy, e.g. rand-m9-mstd0.5-inc1 (the default), or '' for none")
     for t in transform.transforms:
-        if isinstance(t, auto_augment.RandAugment):
-            for op in t.ops:
-                if op.name.startswith("Posterize"):
-                    op.aug_fn = posterize
+        for op in getattr(t, "ops", ()):    # RandAugment's and AugMix's operations
+            if op.name.startswith("Posterize"):
+                op.aug_fn = posterize
     return transform
 
 

@@ -346,6 +346,15 @@ def test_randaugment_posterize_keeps_zero_bits_as_a_black_image():
     transform = drloc.train_transform(args_for("--input_size", "32"))
     ops = [op for t in transform.transforms for op in getattr(t, "ops", [])]
     assert [op.aug_fn for op in ops if op.name.startswith("Posterize")] == [drloc.posterize]
+    augmix = drloc.train_transform(args_for("--input_size", "32", "--aa", "augmix-m10-w3"))   # its posterize too
+    ops = [op for t in augmix.transforms for op in getattr(t, "ops", [])]
+    assert {op.aug_fn for op in ops if op.name.startswith("Posterize")} == {drloc.posterize}
+
+
+def test_an_unknown_augmentation_policy_is_one_line():
+    """timm checks --aa with an assert deep in its transform factory: the user sees one line naming the flag."""
+    with pytest.raises(SystemExit, match=r"^error: --aa 'garbage': Unknown AA policy garbage; give a timm policy"):
+        drloc.train_transform(args_for("--aa", "garbage"))
 
 
 def test_pretrained_loads_official_swin_keys_and_this_repos_checkpoints(tmp_path):
