@@ -371,10 +371,10 @@ def get_args_parser():
     p.add_argument("--rows", nargs="+", default=None, choices=ROWS,
                    help="rows to run, in this order (default: all, unless --table alone; a random-init row evaluates "
                         "its source row's network at the first step, without training it)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
     p.add_argument("--steps", default=400, type=int, help="training steps of every row (a multiple of 50)")
     p.add_argument("--curve_every", default=100, type=int, help="keep and evaluate a checkpoint every N steps")
-    p.add_argument("--curve_seeds", nargs="*", type=int, default=[0], help="seeds whose kept checkpoints are evaluated")
+    p.add_argument("--curve_seeds", nargs="*", type=common.COUNT, default=[0], help="seeds whose kept checkpoints are evaluated")
     p.add_argument("--skip_linear", action="store_true",
                    help="no linear probe (its column shows —): about a fifth of a row's CPU time")
     p.add_argument("--add_linear", action="store_true",

@@ -449,7 +449,7 @@ def get_args_parser():
     p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
     p.add_argument("--phase", default="test", choices=["val", "test"],
                    help="val: train on 50k, evaluate on the held-out 10k train images; test: the reported numbers")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
     p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
     p.add_argument("--relog", action="store_true",

@@ -96,6 +96,17 @@ def test_results_extra_cannot_set_what_the_phase_and_seed_set(tmp_path, monkeypa
         results.main()
 
 
+@pytest.mark.parametrize("argv", [["results.py", "--runs", "dino", "--seeds", "0", "-1"],
+                                  ["compare.py", "--rows", "vit_dino", "--seeds", "-1"],
+                                  ["compare.py", "--rows", "vit_dino", "--curve_seeds", "-2"]])
+def test_a_negative_seed_is_refused_before_any_run(argv, capsys):
+    """Training refuses --seed -1 only after the driver has made the run's folder: the drivers refuse it first."""
+    parser = (results if argv[0] == "results.py" else compare).get_args_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv[1:])
+    assert "is out of range: expected a value in [0, inf)" in capsys.readouterr().err
+
+
 def test_quickstart_relog_runs_only_unstamped_keys_again_with_their_own_flags(tmp_path, monkeypatch):
     log = tmp_path / "quickstart.jsonl"
     line = {"data": "fashion_mnist", "trained_on": "fashion_mnist", "phase": "val", "steps": 250,
