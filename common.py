@@ -1065,8 +1065,7 @@ def load_checkpoint(path, what="checkpoint", remedy=""):
 def load_state_dict_strict(module, state_dict, what="model"):
     """Strict loading with one readable line instead of a wall of key names from torch."""
     own = module.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
+    missing, unexpected = [k for k in own if k not in state_dict], [k for k in state_dict if k not in own]
     bad_shape = [f"{k}: {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}" for k in own
                  if k in state_dict and state_dict[k].shape != own[k].shape]
     if missing or unexpected or bad_shape:
@@ -1327,7 +1326,8 @@ def run_script(main, parser, argv=None):
         worker = next((line.split("DataLoader worker ", 1)[1].split(". ")[0].strip(" .") for line in lines
                        if "DataLoader worker (pid" in line), "")
         peer = next((line for line in lines if any(s in line for s in PEER_LOST)), "") if is_dist() else ""
-        memory = next((s.split("Error: ")[-1] for line in lines for s in line.split(". ") if "allocate" in s), "")
+        said = [s.split("Error: ")[-1] for line in lines for s in line.split(". ")]   # torch's, CUDA's, numpy's words
+        memory = next((s for s in said if "allocate" in s), next((s for s in said if "out of memory" in s), ""))
         if isinstance(e, BadImageError):
             message = "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
         elif worker:      # the steps since the last checkpoint are lost
@@ -1337,7 +1337,7 @@ def run_script(main, parser, argv=None):
         elif peer:
             message = (f"error: process {get_rank()} stops because another process of this run has stopped (its error "
                        f"is above); torch: {peer.split('] ', 1)[-1].split('. ')[0].strip()}")
-        elif memory or isinstance(e, MemoryError):    # "Tried to / can't / Unable to allocate": CUDA's, CPU's, numpy's
+        elif memory or isinstance(e, MemoryError):    # numpy's MemoryError may say nothing
             message = (f"error: out of memory ({memory or type(e).__name__}){where}; lower --batch_size_per_gpu (now "
                        f"{getattr(args, 'batch_size_per_gpu', '?')}) or the crop and image sizes")
         else:

@@ -316,6 +316,8 @@ def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeyp
      "Unable to allocate 74.5 GiB for an array with shape (100000, 100000, 1)"),
     (RuntimeError("Caught MemoryError in DataLoader worker process 0.\nnumpy._core._exceptions._ArrayMemoryError: "
                   "Unable to allocate 74.5 GiB for an array"), "Unable to allocate 74.5 GiB for an array"),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+     "CUDA error: out of memory"),
     (MemoryError(), "MemoryError")])
 def test_out_of_memory_is_one_line_naming_the_batch(error, reason):
     """A batch, crop or image too large for the GPU or the CPU's memory (torch's CUDA and CPU allocators, numpy
