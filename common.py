@@ -490,8 +490,6 @@ def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
 # ======== A4. The training step: schedules, optimiser details, EMA, mixed precision, collectives ====
 def cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epochs=0, start_warmup_value=0):
     """Per iteration: a linear warmup to `base_value`, then `final + 0.5 (base - final)(1 + cos(pi i / T))`."""
-    if warmup_epochs > epochs:
-        die(f"--warmup_epochs {warmup_epochs} is longer than --epochs {epochs}; lower it")
     warmup_iters = int(warmup_epochs * niter_per_ep)
     iters = np.arange(epochs * niter_per_ep - warmup_iters)
     schedule = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * iters / len(iters)))
@@ -1098,8 +1096,10 @@ RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_i
                  "save_every_iters", "precision", "precision_auto", "val_subset", "allow_changed_args"}
 
 
-def check_crop_sizes(args):
-    """Every crop is tiled by whole tokens (else a ViT stops inside timm, a Swin silently pads)."""
+def check_start_args(args):
+    """Refused before any data or model work: a warm-up longer than the run; a crop not tiled by whole tokens."""
+    if args.warmup_epochs > args.epochs:
+        die(f"--warmup_epochs {args.warmup_epochs} is longer than --epochs {args.epochs}; lower it")
     check_scale_range("--global_crops_scale", args.global_crops_scale)
     sizes, stride = {"--global_crop_size": args.global_crop_size}, token_stride(args.arch, args.patch_size)
     if args.local_crops_number:

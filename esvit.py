@@ -311,7 +311,7 @@ def main(args):
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.check_crop_sizes(args)
+    common.check_start_args(args)
     common.claim_output_dir(args.output_dir)           # refused while another run uses it
     ckpt = common.checkpoint_to_resume(args, "esvit")  # or None: a fresh start
     if ckpt is None and args.init_from and not Path(args.init_from).is_file():     # before any data or model work

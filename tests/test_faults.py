@@ -341,8 +341,8 @@ def test_reversed_crop_scales_are_refused_at_start_up():
     for flag in ("--global_crops_scale", "--local_crops_scale"):
         args = dino.get_args_parser().parse_args([flag, "0.5", "0.2"])
         with pytest.raises(SystemExit, match=f"{flag} 0.5 0.2 is reversed"):
-            common.check_crop_sizes(args)
-    common.check_crop_sizes(dino.get_args_parser().parse_args(["--local_crops_number", "0", "--local_crops_scale", "0.5", "0.2"]))
+            common.check_start_args(args)
+    common.check_start_args(dino.get_args_parser().parse_args(["--local_crops_number", "0", "--local_crops_scale", "0.5", "0.2"]))
 
 
 def test_eval_crop_larger_than_resize_is_refused():

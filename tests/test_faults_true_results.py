@@ -27,6 +27,8 @@ import esvit  # noqa: E402
 import eval_correspondence  # noqa: E402
 import eval_knn  # noqa: E402
 import eval_linear  # noqa: E402
+import glsd  # noqa: E402
+import selfpatch  # noqa: E402
 import teacher_outputs  # noqa: E402
 import visualize  # noqa: E402
 from test_faults import EVAL, TINY, image_folder, one_line_error, run  # noqa: E402
@@ -215,7 +217,15 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, monkeypa
 def test_local_crops_larger_than_global_crops_are_refused():
     args = parse(dino, ["--global_crop_size", "32", "--local_crop_size", "48", "--arch", "vit_pico"])
     with pytest.raises(SystemExit, match="--local_crop_size 48 is larger than --global_crop_size 32"):
-        common.check_crop_sizes(args)
+        common.check_start_args(args)
+
+
+@pytest.mark.parametrize("script", [dino, esvit, glsd, selfpatch])
+def test_a_warmup_longer_than_the_run_is_refused_before_the_data(script, tmp_path, capsys):
+    argv = [*TINY, "--epochs", "1", "--warmup_epochs", "10", "--output_dir", str(tmp_path)]    # 10: the default
+    with pytest.raises(SystemExit, match="--warmup_epochs 10.0 is longer than --epochs 1; lower it"):
+        script.main(parse(script, argv))
+    assert "data:" not in capsys.readouterr().out
 
 
 def test_batched_crops_on_images_of_two_sizes_are_refused_before_the_loader(tmp_path, capsys):

@@ -510,7 +510,7 @@ def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(t
     for module, arch in ((dino, "swin_pico"), (esvit, "swin_pico"), (selfpatch, "vit_small")):
         bad = module.get_args_parser().parse_args(["--arch", arch, "--local_crop_size", "40"])
         with pytest.raises(SystemExit, match="--local_crop_size 40 is not a multiple"):
-            common.check_crop_sizes(bad)
+            common.check_start_args(bad)
     r = run_here("dino.py", *tiny(global_crop_size="36"), "--output_dir", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--global_crop_size 36 is not a multiple of the vit_pico token stride (16 px)" in last_line(r)
