@@ -848,14 +848,16 @@ def build_eval_splits(args):
 def init_distributed(device="auto"):
     """The device; under torchrun (RANK set) a process group, of one process too (NCCL on GPUs, else gloo)."""
     local_rank, world_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        die(f"--device {device} is not a device of these scripts; give auto, cpu, cuda or cuda:N")
     if world_size > 1 and re.fullmatch(r"cuda:\d+", device):
         die(f"--device {device} would put all {world_size} processes of this torchrun job on one GPU; "
             f"use --device cuda (or auto): each process takes the GPU of its LOCAL_RANK")
-    auto = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    device = torch.device({"auto": auto, "cuda": f"cuda:{local_rank}"}.get(device, device))
+    auto, gpus = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu", torch.cuda.device_count()
+    name, device = device, torch.device({"auto": auto, "cuda": f"cuda:{local_rank}"}.get(device, device))
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            die("--device cuda requested but no GPU is visible")
+        if device.index >= gpus:       # no GPU, a cuda:N past the last, or more torchrun processes than GPUs
+            die(f"--device {name} needs GPU {device.index}, but this process sees {gpus} GPUs; give another --device")
         torch.cuda.set_device(device)
         # the authors' cuDNN autotuning, and TF32 float32 matmuls as in their torch (1.7-1.8)
         torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -1090,8 +1092,7 @@ def restore(checkpoint, **objects):
             obj.load_state_dict(checkpoint[name])
 
 
-# Arguments that may differ when a run is resumed: where and how it runs, not what it learns.
-# --epochs may change too (the schedules follow the new length), but not below the epochs done.
+# Arguments a resumed run may change: where and how it runs, not what it learns (and --epochs, not below those done).
 RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_images", "saveckp_freq",
                  "save_every_iters", "precision", "precision_auto", "val_subset", "allow_changed_args"}
 
@@ -1468,8 +1469,7 @@ def add_data_args(parser):
     g.add_argument("--holdout", default=0, type=COUNT,
                    help="a validation split: the train split's last N images are the test split, the others the "
                         "train split (training and the k-NN bank), so settings are chosen without the test set")
-    g.add_argument("--skip_bad_images", action="store_true",
-                   help="skip unreadable image files (logged and counted) instead of stopping")
+    g.add_argument("--skip_bad_images", action="store_true", help="skip (log and count) unreadable images, not stop")
     g.add_argument("--num_workers", default=10, type=COUNT, help="data loader processes per GPU/process")
     return g
 

@@ -270,10 +270,29 @@ def test_device_cuda_n_refused_under_torchrun(monkeypatch):
     assert "--device cuda (or auto)" in line
 
 
+@pytest.mark.parametrize("device, gpus, local_rank, said", [
+    ("foo", 0, 0, "--device foo is not a device of these scripts; give auto, cpu, cuda or cuda:N"),
+    ("cpu:1", 0, 0, "--device cpu:1 is not a device of these scripts"),
+    ("cuda", 0, 0, "--device cuda needs GPU 0, but this process sees 0 GPUs"),
+    ("cuda:2", 2, 0, "--device cuda:2 needs GPU 2, but this process sees 2 GPUs"),
+    ("cuda", 2, 3, "--device cuda needs GPU 3, but this process sees 2 GPUs")])   # torchrun: 4 processes, 2 GPUs
+def test_a_device_that_is_not_there_is_one_line(monkeypatch, device, gpus, local_rank, said):
+    """Not torch's 'Expected one of cpu, cuda, ipu, ...' traceback, nor set_device's 'invalid device ordinal'."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SystemExit) as info:
+        common.init_distributed(device)
+    (line,) = str(info.value).splitlines()
+    assert line.startswith("error: " + said)
+
+
 def test_cuda_device_gets_cudnn_benchmark_and_tf32(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     for flag in ("benchmark", "allow_tf32"):
         monkeypatch.setattr(torch.backends.cudnn, flag, False)
