@@ -4,8 +4,7 @@ Part A, what the methods compute (all that a method's model and `train_one_epoch
 (timm ViT / Swin, global and dense features), A2 the DINO head, A3 multi-crop with geometry, A4 the training
 step's schedules, EMA, mixed precision and collectives. Part B, how they run: B1 data, B2 processes
 and loaders, B3 checkpoints and resume, B4 exits in one line, B5 logging and shared arguments.
-A docstring starting with "Collective" (or a name ending in `_all_ranks`) marks a function every
-process must call.
+A docstring starting with "Collective" (or a name ending in `_all_ranks`) marks a function every process must call.
 """
 import argparse
 import atexit
@@ -691,11 +690,17 @@ def skipped_images_all_ranks(dataset, device):
 
 
 def read_idx(path):
-    """An IDX file (MNIST format), gzipped or not, as a numpy array."""
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
-        data = f.read()
-    shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(data[3])]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * data[3]).reshape(shape)
+    """An IDX file of unsigned bytes (MNIST's format), `path.gz` or else `path`, as a numpy array."""
+    path = Path(f"{path}.gz") if Path(f"{path}.gz").exists() else Path(path)
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            data = f.read()
+        if data[:3] != b"\0\0\x08":
+            raise ValueError(f"it starts {data[:4]!r}, not with an IDX header of unsigned bytes")
+        shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(data[3])]
+        return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * data[3]).reshape(shape)
+    except (OSError, EOFError, ValueError) as e:     # missing, truncated, not gzipped, not IDX
+        die(f"cannot read {path}: {e}; (re)install dataset-fashion-mnist (apt-get) or give --data_path its 4 files")
 
 
 class FashionMNIST(torch.utils.data.Dataset):
@@ -704,12 +709,10 @@ class FashionMNIST(torch.utils.data.Dataset):
 
     def __init__(self, root=None, train=True):
         root, prefix = Path(root or self.DEFAULT_ROOT), "train" if train else "t10k"
-        found = [next((root / f"{prefix}-{kind}-ubyte{ext}" for ext in (".gz", "")
-                       if (root / f"{prefix}-{kind}-ubyte{ext}").exists()), None) for kind in ("images-idx3", "labels-idx1")]
-        if None in found:
-            die(f"Fashion-MNIST files {prefix}-images-idx3-ubyte(.gz) / {prefix}-labels-idx1-ubyte(.gz) "
-                f"not found in {root}; install them with `apt-get install dataset-fashion-mnist` or pass --data_path")
-        self.images, self.targets = read_idx(found[0]), read_idx(found[1]).astype(np.int64)
+        self.images, labels = (read_idx(root / f"{prefix}-{kind}-ubyte") for kind in ("images-idx3", "labels-idx1"))
+        if len(labels) != len(self.images):      # e.g. the test split's labels copied in place of the train split's
+            die(f"{root}'s {prefix} files hold {len(self.images)} images but {len(labels)} labels; reinstall them")
+        self.targets = labels.astype(np.int64)
         self.classes = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 
     def __len__(self):
@@ -726,8 +729,7 @@ class SyntheticShapes(torch.utils.data.Dataset):
 
     def __init__(self, num_images=2000, image_size=64, train=True, seed=0):
         self.n, self.size, self.seed, self.split = num_images, image_size, seed, 0 if train else 1
-        self.classes = self.CLASSES
-        self.targets = [i % len(self.CLASSES) for i in range(num_images)]
+        self.classes, self.targets = self.CLASSES, [i % len(self.CLASSES) for i in range(num_images)]
 
     def __len__(self):
         return self.n
@@ -1364,11 +1366,10 @@ def last_checkpoint():
 def report_to_torchrun(message):
     """`message` in torchrun's error file, as `elastic`'s `record` writes one (it skips SystemExit)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    with contextlib.suppress(OSError), open(path, "w") as f:
-        json.dump({"message": {"message": message,
-                               "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": message,
+                                   "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
 
 
 def close_progress_bars(end_line=False):
@@ -1411,8 +1412,7 @@ def ranged(kind, low=None, high=None, low_open=False):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         too_low = low is not None and (value <= low if low_open else value < low)
         if too_low or (high is not None and value > high) or not math.isfinite(value):  # inf, NaN
             raise argparse.ArgumentTypeError(f"{text} is out of range: expected a value in {bounds}")

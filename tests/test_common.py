@@ -7,6 +7,7 @@ The few reference numbers taken from the DINO authors' code live in tests/data/c
 """
 import argparse
 import copy
+import gzip
 import math
 import os
 import random
@@ -710,6 +711,37 @@ def test_idx_reader_plain_and_missing_fashion_mnist(tmp_path):
     assert np.array_equal(common.read_idx(tmp_path / "x-idx3-ubyte"), data)
     with pytest.raises(SystemExit, match=re.escape(str(tmp_path))):
         common.FashionMNIST(tmp_path)
+
+
+def test_a_damaged_fashion_mnist_is_one_line(tmp_path):
+    """A truncated download, a file that is not gzip or not IDX, labels of the other split: one line, no traceback
+    from gzip or numpy, and never a silently misaligned dataset."""
+    def idx(array):
+        return bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape) + array.tobytes()
+    images = np.random.default_rng(0).integers(0, 256, (6, 28, 28), dtype=np.uint8)     # incompressible
+    labels = np.arange(6, dtype=np.uint8)
+    cases = {"truncated": (gzip.compress(idx(images))[:200], "Compressed file ended before the end-of-stream marker"),
+             "not gzip": (b"hello", "Not a gzipped file"),
+             "not IDX": (gzip.compress(b"\x89PNG" + bytes(100)), "not with an IDX header of unsigned bytes"),
+             "short": (gzip.compress(idx(images)[:-10]), "cannot reshape")}
+    for case, (content, said) in cases.items():
+        root = tmp_path / case.replace(" ", "_")
+        root.mkdir()
+        (root / "train-images-idx3-ubyte.gz").write_bytes(content)
+        (root / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx(labels)))
+        with pytest.raises(SystemExit) as info:
+            common.FashionMNIST(root)
+        (line,) = str(info.value).splitlines()
+        assert line.startswith(f"error: cannot read {root / 'train-images-idx3-ubyte.gz'}: ") and said in line, line
+        assert line.endswith("; (re)install dataset-fashion-mnist (apt-get) or give --data_path its 4 files")
+    root = tmp_path / "other_labels"
+    root.mkdir()
+    (root / "train-images-idx3-ubyte").write_bytes(idx(images))         # plain files too
+    (root / "train-labels-idx1-ubyte").write_bytes(idx(labels[:4]))
+    with pytest.raises(SystemExit, match=f"error: {re.escape(str(root))}'s train files hold 6 images but 4 labels"):
+        common.FashionMNIST(root)
+    (root / "train-labels-idx1-ubyte").write_bytes(idx(labels))
+    assert len(common.FashionMNIST(root)) == 6 and common.FashionMNIST(root).targets.dtype == np.int64
 
 
 def folder_args(path):
