@@ -54,7 +54,6 @@ import argparse
 import contextlib
 import fcntl
 import json
-import os
 import re
 import resource
 import sys
@@ -388,8 +387,9 @@ def get_args_parser():
                         "existed): the stamped line replaces them in the tables, which show both figures")
     p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
-    p.add_argument("--work_dir", default="runs/compare", help="output directories of the runs")
-    p.add_argument("--data_dir", default="runs/data", help="where the built datasets (fashion_mnist_8k) are written")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "compare"), help="output directories of the runs")
+    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
+                   help="where the built datasets (fashion_mnist_8k) are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "compare_32px.jsonl"),
                    help="one JSON line per (data, row, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true", help="rewrite the generated blocks of docs/COMPARISON.md from --log")
@@ -401,7 +401,7 @@ def main():
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
     check_budget(args.steps, args.curve_every)
-    os.chdir(ROOT)                     # the scripts run from the repository root; relative paths are from there
+    provenance.run_from_root(args, "work_dir", "data_dir", "log")
     rows = args.rows if args.rows is not None else [] if args.table else ROWS
     if rows or args.add_linear or args.add_curve:
         provenance.check_log_writable(args.log)

@@ -183,6 +183,16 @@ def check_trained(cmd, out):
                  f"{Path(out) / 'checkpoint.pth'}")
 
 
+def run_from_root(args, *names):
+    """Each path flag in `names` as the user meant it (from the folder they typed it in), then the repository root
+    as the working folder, which the scripts run from: a path inside it becomes relative to it, the form the
+    logged commands have; one outside it stays absolute."""
+    for name in names:
+        path = Path(getattr(args, name)).resolve()
+        setattr(args, name, str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
+    os.chdir(ROOT)
+
+
 def check_log_writable(path, what="--log"):
     """Before any training: the log each result is appended to can be written, else one line and exit 1
     (found after an hour's run, a wrong path would lose its result)."""

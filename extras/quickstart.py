@@ -20,7 +20,6 @@ last one logged, and the others are listed under its table with both figures.
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -176,8 +175,8 @@ def get_args_parser():
     p.add_argument("--steps", default=400, type=int, help="training steps (a multiple of 50)")
     p.add_argument("--variant", default="quickstart", help="name under which the run is logged")
     p.add_argument("--extra", default="", help="training flags added to the README's")
-    p.add_argument("--work_dir", default="runs/quickstart_log", help="output directories of the runs")
-    p.add_argument("--data_dir", default="runs/data", help="where compare.py's built datasets are written")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "quickstart_log"), help="output directories of the runs")
+    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"), help="where compare.py's built datasets are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
     p.add_argument("--relog", action="store_true",
                    help="run again, with their own data, phase, steps, variant and flags, the lines of --log that "
@@ -188,7 +187,7 @@ def get_args_parser():
 
 def main():
     args = get_args_parser().parse_args()
-    os.chdir(ROOT)
+    provenance.run_from_root(args, "work_dir", "data_dir", "log")
     if args.steps <= 0 or args.steps % 50:
         sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
     if not args.table:

@@ -455,7 +455,7 @@ def get_args_parser():
     p.add_argument("--relog", action="store_true",
                    help="run again the --runs and --seeds whose log lines have no timestamp (written before stamps "
                         "existed): the stamped line replaces them in the tables, which show both figures")
-    p.add_argument("--work_dir", default="runs/results", help="output directories of the runs")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"), help="output directories of the runs")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
                    help="one JSON line per (run, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
@@ -465,6 +465,7 @@ def get_args_parser():
 
 def main():
     args = get_args_parser().parse_args()
+    provenance.run_from_root(args, "work_dir", "log")
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
     if RUN_PLACE_FLAGS & {word.split("=")[0] for word in args.extra.split()}:   # e.g. a test line trained with --holdout

@@ -86,6 +86,26 @@ def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_repla
     assert "| dino | recipe | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # the stamped lines alone
 
 
+def test_the_drivers_read_a_relative_path_from_where_it_was_typed(tmp_path, monkeypatch):
+    """Run from another folder, a relative --log and --work_dir are that folder's (results.py trained in the
+    repository root's runs/ but looked for the run in the caller's: an hour's run, then an error), the defaults
+    stay in the repository, and the scripts run from its root with the logged commands' relative paths."""
+    seen = []
+    monkeypatch.setattr(results, "train_and_evaluate", lambda name, variant, extra, phase, seed, work_dir:
+                        seen.append(work_dir) or {"run": name, "variant": variant, "phase": phase, "seed": seed,
+                                                  "top1": 60.0, "train_seconds": 1.0})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["results.py", "--runs", "dino", "--seeds", "0", "--log", "log.jsonl", "--work_dir", "mine"])
+    results.main()
+    assert seen == [str(tmp_path / "mine")] and json.loads((tmp_path / "log.jsonl").read_text())["top1"] == 60.0
+    assert Path.cwd() == provenance.ROOT
+    for script, module in (("compare.py", compare), ("quickstart.py", quickstart), ("results.py", results)):
+        args = module.get_args_parser().parse_args(["--log", "log.jsonl"])
+        monkeypatch.chdir(tmp_path)
+        provenance.run_from_root(args, "work_dir", "log")
+        assert args.log == str(tmp_path / "log.jsonl") and args.work_dir.startswith("runs/"), script
+
+
 @pytest.mark.parametrize("extra", ["--holdout 10000", "--epochs 2 --holdout=10000", "--seed 3", "--output_dir x"])
 def test_results_extra_cannot_set_what_the_phase_and_seed_set(tmp_path, monkeypatch, extra):
     """A test line trained with --extra "--holdout ..." would be scored on validation images: refused before any run."""
@@ -429,7 +449,7 @@ def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch
     for name, value in (("knn", 60.0), ("correspondence", {}), ("collapse", {})):
         monkeypatch.setattr(compare.Evaluator, name, lambda self, *a, value=value, **k: value)
     monkeypatch.setattr(compare.provenance, "checkpoint_signature", lambda weights: {"arch": "vit_pico"})
-    monkeypatch.setattr(compare.os, "chdir", lambda path: None)
+    monkeypatch.setattr(provenance.os, "chdir", lambda path: None)
     argv = ["compare.py", "--phase", "test", "--rows", "vit_dino", "--seeds", "0", "1", "--curve_seeds",
             "--skip_linear", "--log", str(log), "--work_dir", str(work)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -459,7 +479,7 @@ def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_repl
                 "steps": args.steps, "knn_top1": 64.25, "linear_top1": 69.0, "utc": "2026-11-26T11:00:00Z",
                 "precision": "bf16", "network": NETWORK, "backbone": "vit", "correspondence": unstamped[0]["correspondence"]}
     monkeypatch.setattr(compare, "run_row", fake_run_row)
-    monkeypatch.setattr(compare.os, "chdir", lambda path: None)
+    monkeypatch.setattr(provenance.os, "chdir", lambda path: None)
     argv = ["compare.py", "--phase", "test", "--rows", "vit_dino", "--seeds", "0", "1", "--log", str(log)]
     monkeypatch.setattr(sys, "argv", argv)
     compare.main()                                      # logged, stamped or not: nothing runs
