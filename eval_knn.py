@@ -251,6 +251,10 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
                 common.log(f"the backbone leaves out {len(ignored)} checkpoint entries that are not its weights: "
                     f"{', '.join(ignored[:6])}{' ...' if len(ignored) > 6 else ''}")
             common.load_state_dict_strict(model, state, what=f"{build['arch']} backbone")
+    diverged = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+    if diverged:                          # they would give a k-NN or probe figure on NaN features, without a word
+        common.die(f"{path} [{checkpoint_key}] holds non-finite weights ({', '.join(diverged[:3])}"
+                   f"{' ...' if len(diverged) > 3 else ''}): the run that wrote them diverged; evaluate an earlier checkpoint")
     shape = f"window {info['window_size']}" if isinstance(backbone, common.Swin) else f"patch {info['patch_size']}"
     common.log(f"model: {method} {info['arch']} ({shape}), "
         f"{'random initialisation' if random_init else f'weights from {path} [{checkpoint_key}]'}")
@@ -356,6 +360,9 @@ def extract_features(model, dataset, transform, args, device):
         labels[index.to(labels.device)] = targets.to(labels.device)
     if features is None:
         return None, None
+    if not features.isfinite().all():     # finite weights can still overflow
+        common.die(f"the network gives non-finite features for {int((~features.isfinite().all(1)).sum())} of "
+                   f"{len(dataset)} images: its activations overflow; evaluate an earlier checkpoint")
     readable = labels != SKIPPED
     if not readable.all():
         common.log(f"skipped {int((~readable).sum())} unreadable images (--skip_bad_images): left out, "

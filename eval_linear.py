@@ -404,6 +404,9 @@ def main(args):
         else:
             sampler.set_epoch(epoch)
             record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, args, device)
+        if not math.isfinite(record["train_loss"]):     # a diverged probe's accuracy is no result
+            common.die(f"the probe's train loss is {record['train_loss']} at epoch {epoch} (no checkpoint written): "
+                       f"lower --lr (now {args.lr:g}), or check the features")
         if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
             record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
             best_top1 = max(best_top1, record["val_top1"])

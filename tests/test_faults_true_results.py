@@ -365,6 +365,24 @@ def test_weights_that_are_not_a_networks_are_one_line(tmp_path, patch8_checkpoin
         drloc.load_pretrained(common.build_backbone("vit_pico", img_size=32), str(features))
 
 
+def test_diverged_weights_give_no_accuracy(tmp_path):
+    """Weights with a NaN (a diverged run's), or finite ones whose activations overflow, gave a k-NN and a
+    probe figure (10%: the NaN features voted anyhow). Now each is one line, and no probe is written."""
+    state = common.build_backbone("vit_pico", img_size=32).state_dict()
+    nan, huge = tmp_path / "nan.pth", tmp_path / "huge.pth"
+    torch.save({**state, "blocks.0.mlp.fc1.bias": torch.full_like(state["blocks.0.mlp.fc1.bias"], float("nan"))}, nan)
+    torch.save({**state, "norm.weight": torch.full_like(state["norm.weight"], 3e38)}, huge)    # finite: overflows
+    data = [*SYNTHETIC_EVAL[1:], "--pretrained_weights"]
+    for module, flags in (eval_knn, ["--nb_knn", "2"]), (eval_linear, ["--output_dir", str(tmp_path / "probe")]):
+        with pytest.raises(SystemExit, match=r"nan.pth \[teacher\] holds non-finite weights \(blocks.0.mlp.fc1.bias\)"):
+            module.main(parse(module, [*data, str(nan), *flags]))
+    with pytest.raises(SystemExit, match="non-finite features for 16 of 16 images: its activations overflow"):
+        eval_knn.main(parse(eval_knn, [*data, str(huge), "--nb_knn", "2"]))
+    with pytest.raises(SystemExit, match="the probe's train loss is nan at epoch 0 \\(no checkpoint written\\)"):
+        eval_linear.main(parse(eval_linear, [*data, str(huge), "--epochs", "1", "--output_dir", str(tmp_path / "p")]))
+    assert not list(tmp_path.rglob("linear_checkpoint.pth"))
+
+
 # ------------------------------------------------------------------------------------------------
 # Case 13: bad input to the extras and to eval_knn.py --load_features
 # ------------------------------------------------------------------------------------------------
