@@ -29,6 +29,8 @@ Where this file differs from the authors' eval_knn.py:
   * loading is strict (after removing wrapper prefixes and heads): a mismatching checkpoint is an
     error, where the authors' `strict=False` load goes on with whatever matched;
   * the train features stay on the GPU only when they fit (the authors' `--use_cuda` flag).
+  * each test row's weights are divided by its top one, exp(s_1 / T): the same vote, where the authors'
+    exp(s / T) overflows float32 below T = 1/88.7 and ranks the classes by inf and NaN.
 """
 import argparse
 import math
@@ -385,7 +387,9 @@ def knn_classifier(train_features, train_labels, test_features, test_labels, k, 
         features = test_features[start:start + chunk_size].to(device)
         targets = test_labels[start:start + chunk_size].to(device)
         similarity, neighbours = (features @ train_features.T).topk(k, dim=1)  # [n, k], most similar first
-        weights = (similarity / T).exp()
+        # exp(s / T) overflows float32 below T = 1/88.7 (0.01 gave 1% for 100%); dividing each row by its top
+        # weight exp(s_1 / T) leaves the vote's ranking unchanged and keeps every weight in (0, 1]
+        weights = ((similarity - similarity[:, :1]) / T).exp()
         votes = (F.one_hot(train_labels[neighbours], num_classes) * weights[..., None]).sum(dim=1)  # [n, C]
         ranked = votes.argsort(dim=1, descending=True)[:, :min(5, k)]
         correct = ranked == targets[:, None]

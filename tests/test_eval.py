@@ -46,7 +46,8 @@ def naive_knn_vote(train_features, train_labels, x, k, T):
     return scores
 
 
-@pytest.mark.parametrize("num_classes, k, T", [(3, 1, 0.07), (3, 10, 0.5), (6, 20, 0.07), (12, 7, 0.1), (12, 40, 0.07)])
+@pytest.mark.parametrize("num_classes, k, T", [(3, 1, 0.07), (3, 10, 0.5), (6, 20, 0.07), (12, 7, 0.1), (12, 40, 0.07),
+                                                (6, 20, 0.005), (12, 40, 0.01)])  # exp(1 / T) past float32
 def test_knn_matches_naive_vote(num_classes, k, T):
     g = torch.Generator().manual_seed(num_classes * 100 + k)
     train = F.normalize(torch.randn(60, 8, generator=g), dim=1)
@@ -86,8 +87,8 @@ def test_knn_separable_features_are_perfect():
     train_labels, test_labels = torch.arange(70) % 7, torch.arange(21) % 7
     train = F.normalize(centers[train_labels] + 0.05 * torch.randn(70, 16, generator=g), dim=1)
     test = F.normalize(centers[test_labels] + 0.05 * torch.randn(21, 16, generator=g), dim=1)
-    for k in (1, 10, 20):
-        assert eval_knn.knn_classifier(train, train_labels, test, test_labels, k, 0.07, 7) == (100.0, 100.0)
+    for k, T in (1, 0.07), (10, 0.07), (20, 0.07), (20, 0.01), (20, 1e-4):   # 0.01 overflowed float32: 0%
+        assert eval_knn.knn_classifier(train, train_labels, test, test_labels, k, T, 7) == (100.0, 100.0)
     wrong = (test_labels + 1) % 7                                    # and the test can fail
     assert eval_knn.knn_classifier(train, train_labels, test, wrong, 10, 0.07, 7)[0] == 0.0
 
