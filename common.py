@@ -799,12 +799,12 @@ def named_dataset(args, train):
     if name in ("cifar10", "cifar100", "svhn"):
         if not path or not Path(path).is_dir():
             die(f"--dataset {name} needs --data_path pointing at a local torchvision root (nothing is downloaded)")
+        key, value = ("split", "train" if train else "test") if name == "svhn" else ("train", train)
         try:
-            if name == "svhn":
-                return tv_datasets.SVHN(path, split="train" if train else "test", download=False)
-            return (tv_datasets.CIFAR10 if name == "cifar10" else tv_datasets.CIFAR100)(path, train=train, download=False)
-        except RuntimeError as e:
-            die(f"{name} not found under --data_path {path}: {e}")
+            return getattr(tv_datasets, name.upper())(path, **{key: value}, download=False)
+        except RuntimeError:            # torchvision's advice, download=True, is no flag of these scripts
+            die(f"{name} is missing or damaged under --data_path {path}: these scripts download nothing; fetch it once: "
+                f"python -c \"import torchvision; torchvision.datasets.{name.upper()}('{path}', {key}={value!r}, download=True)\"")
     if name != "folder":
         die(f"unknown --dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if not path:

@@ -713,6 +713,43 @@ def test_idx_reader_plain_and_missing_fashion_mnist(tmp_path):
         common.FashionMNIST(tmp_path)
 
 
+def test_torchvision_datasets_are_read_from_a_local_root(tmp_path, monkeypatch):
+    """CIFAR-10/100 and SVHN (DRLoc's datasets) in torchvision's own layout, tiny and without the real files'
+    checksums: each split, its labels and 32 px RGB images; a missing one is one line that says how to fetch it
+    (torchvision's own "use download=True" names no flag of these scripts)."""
+    import pickle
+    import scipy.io
+    import torchvision.datasets.cifar
+    import torchvision.datasets.svhn
+    for module in torchvision.datasets.cifar, torchvision.datasets.svhn:                  # no md5 of the real files
+        monkeypatch.setattr(module, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+    rng = np.random.default_rng(0)
+    cifar = {"cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "batches.meta", "labels", 10),
+             "cifar100": ("cifar-100-python", ["train"], "meta", "fine_labels", 100)}
+    for name, (folder, train_files, meta, key, n_classes) in cifar.items():
+        (tmp_path / folder).mkdir()
+        for file, n in [*((f, 2) for f in train_files), ("test_batch" if name == "cifar10" else "test", 3)]:
+            batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), key: list(range(n))}
+            (tmp_path / folder / file).write_bytes(pickle.dumps(batch))
+        names = [f"c{i}" for i in range(n_classes)]
+        (tmp_path / folder / meta).write_bytes(pickle.dumps({"label_names": names, "fine_label_names": names}))
+    for split, n in ("train", 4), ("test", 3):
+        scipy.io.savemat(tmp_path / f"{split}_32x32.mat", {"X": rng.integers(0, 256, (32, 32, 3, n), dtype=np.uint8),
+                                                            "y": np.array([[10], [1], [2], [3]][:n], dtype=np.uint8)})
+    for name, sizes in ("cifar10", (10, 3)), ("cifar100", (2, 3)), ("svhn", (4, 3)):
+        for train, size in zip((True, False), sizes):
+            data = common.named_dataset(Namespace(dataset=name, data_path=str(tmp_path)), train)
+            image, label = data[1]
+            assert len(data) == size and image.size == (32, 32) and image.mode == "RGB" and label == 1
+    assert common.dataset_record(common.named_dataset(Namespace(dataset="svhn", data_path=str(tmp_path)), True))
+    (tmp_path / "test_32x32.mat").unlink()
+    with pytest.raises(SystemExit) as info:
+        common.named_dataset(Namespace(dataset="svhn", data_path=str(tmp_path)), train=False)
+    assert str(info.value) == (f"error: svhn is missing or damaged under --data_path {tmp_path}: these scripts download "
+                               f"nothing; fetch it once: python -c \"import torchvision; torchvision.datasets.SVHN("
+                               f"'{tmp_path}', split='test', download=True)\"")
+
+
 def test_a_damaged_fashion_mnist_is_one_line(tmp_path):
     """A truncated download, a file that is not gzip or not IDX, labels of the other split: one line, no traceback
     from gzip or numpy, and never a silently misaligned dataset."""
