@@ -1126,14 +1126,16 @@ def check_scale_range(flag, scale):
 def checkpoint_to_resume(args, method):
     """--output_dir's checkpoint.pth, written by `method` with the same arguments, or None."""
     path, ckpt = Path(args.output_dir) / "checkpoint.pth", None
+    args.world_size = get_world_size()      # recorded: with --batch_size_per_gpu, the total batch and so the peak lr
+    if (path.parent / "linear_checkpoint.pth").exists():        # its args.json and log.txt are not ours to overwrite
+        die(f"--output_dir {path.parent} holds a linear probe (linear_checkpoint.pth), whose args.json and log.txt "
+            f"{method}.py would overwrite; give {method}.py its own --output_dir (default runs/{method})")
     if path.exists():
         ckpt = load_checkpoint(path)
         written_by = ckpt.get("method") if isinstance(ckpt, dict) else None
         if written_by != method:
             die(f"{path} was written by {f'{written_by}.py' if written_by else 'another program'}, not {method}.py: "
                 f"give {method}.py its own --output_dir (default runs/{method})")
-    args.world_size = get_world_size()      # recorded: with --batch_size_per_gpu, the total batch and so the peak lr
-    if ckpt is not None:
         check_resumed_args(ckpt, args, path)
     if is_main_process():
         remove_stale_temporaries(args.output_dir)
@@ -1191,11 +1193,10 @@ def resume_position(ckpt, dataset, args):
     old, new = ckpt.get("dataset"), dataset_record(dataset)
     if old is None or old == new:
         return epoch, step
-    path = Path(args.output_dir) / "checkpoint.pth"
     change = (f"{old['images']} images, now {new['images']}" if old["images"] != new["images"]
               else f"{new['images']} images as now, but other files or labels")
     if not args.allow_changed_args:
-        die(f"{path} was trained on another dataset ({change}); resume with the same data, or use another "
+        die(f"{Path(args.output_dir) / 'checkpoint.pth'} was trained on another dataset ({change}); resume with the same data, or use another "
             f"--output_dir, or --allow_changed_args to go on with this one from the start of epoch {epoch}")
     log(f"warning: resuming on another dataset ({change}; --allow_changed_args): epoch {epoch} starts again at "
         f"its first batch" + (f" (the checkpoint stopped after step {step})" if step else ""))
@@ -1251,10 +1252,9 @@ def take_lock(lock, output_dir):
         fd = None
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
+            holder = {}                                                 # junk: nobody to name
+            with contextlib.suppress(ValueError):
                 holder = json.loads(os.pread(fd, 4096, 0) or b"{}")     # who wrote it
-            except ValueError:
-                holder = {}                                             # junk: nobody to name
             holder = holder if isinstance(holder, dict) else {}
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(fd).st_ino:

@@ -261,6 +261,21 @@ def test_eval_linear_refuses_a_training_folder_and_writes_nothing_on_failure(tmp
     assert not fresh.exists()
 
 
+
+@pytest.mark.parametrize("script", ["dino.py", "esvit.py", "glsd.py", "selfpatch.py", "drloc.py"])
+def test_training_refuses_a_linear_probes_folder(tmp_path, script):
+    """The other way round: a training script overwrote the probe's args.json and appended to its log.txt."""
+    probe = tmp_path / "linear"
+    probe.mkdir()
+    for name, content in ("linear_checkpoint.pth", "probe"), ("args.json", '{"n_last_blocks": 4}'), ("log.txt", "{}\n"):
+        (probe / name).write_text(content)
+    r = run_here(script, "--output_dir", str(probe), "--dataset", "synthetic")
+    one_line_error(r, f"--output_dir {probe} holds a linear probe (linear_checkpoint.pth), whose args.json and log.txt "
+                      f"{script} would overwrite")
+    assert sorted(os.listdir(probe)) == ["args.json", "linear_checkpoint.pth", "log.txt"]
+    assert (probe / "args.json").read_text() == '{"n_last_blocks": 4}' and (probe / "log.txt").read_text() == "{}\n"
+
+
 @pytest.mark.parametrize("num_labels,classes,ok", [(1, ["a", "b"], False), (3, ["a", "b"], False), (2, ["a", "b"], True)])
 def test_eval_linear_num_labels_must_match_the_classes(num_labels, classes, ok):
     import eval_linear
