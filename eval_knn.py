@@ -429,7 +429,10 @@ def load_features(folder):
         common.die(f"--load_features {folder}: the files do not fit together: train features {shapes[0]}, labels "
                    f"{shapes[1]}; test features {shapes[2]}, labels {shapes[3]} (features [N, D] and N labels per "
                    f"split, one D); write them again with --dump_features")
-    return loaded
+    if not (train_features.isfinite().all() and test_features.isfinite().all()):
+        common.die(f"--load_features {folder} holds non-finite features (NaN or inf): there is no k-NN result")
+    # the vote needs unit rows: --dump_features wrote them so, another tool's features may not be
+    return F.normalize(train_features.float(), dim=1), train_labels, F.normalize(test_features.float(), dim=1), test_labels
 
 
 def check_nb_knn(nb_knn, n_train):
