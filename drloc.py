@@ -309,9 +309,6 @@ def build_model(args, num_classes):
                                          layer_norm_eps=1e-5 if args.arch.startswith("swin") else 1e-6)
     if args.drloc_mode == "all" and not isinstance(backbone, common.Swin):
         common.die("--drloc_mode all needs a Swin --arch (one DRLoc head per stage)")
-    patch = backbone.patch_embed.patch_size[0]
-    if args.input_size % patch:
-        common.die(f"--input_size {args.input_size} is not a multiple of the patch size {patch}")
     heads = []
     if args.lambda_drloc:
         with torch.random.fork_rng(devices=[]), torch.no_grad():   # leaves the RNG as it was
@@ -374,6 +371,9 @@ def check_args(args):
     """One-line errors for flag combinations that cannot work."""
     if args.warmup_epochs > args.epochs:
         common.die(f"--warmup_epochs {args.warmup_epochs} exceeds --epochs {args.epochs}; lower it")
+    patch = args.patch_size if common.ARCHS[args.arch]["family"] == "vit" else common.ARCHS[args.arch].get("patch_size", 4)
+    if args.input_size % patch:           # before the backbone, whose own error would name a global crop
+        common.die(f"--input_size {args.input_size} is not a multiple of the patch size {patch}")
     if args.drloc_normalize and args.drloc_mode in ("ce", "reg"):
         common.die(f"--drloc_normalize applies to the l1 modes only; --drloc_mode {args.drloc_mode} classifies "
                    f"integer offsets")

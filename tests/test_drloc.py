@@ -310,6 +310,9 @@ def test_too_small_grid_and_bad_flags_fail_with_one_line():
         drloc.build_model(drloc.get_args_parser().parse_args(["--arch", "vit_pico", "--drloc_mode", "all"]), 3)
     with pytest.raises(SystemExit, match="--drloc_normalize"):
         drloc.check_args(args_for("--drloc_mode", "ce", "--drloc_normalize", "true"))
+    for arch, size, patch in ("vit_pico", "40", 16), ("swin_pico", "42", 4):   # the flag it names is --input_size
+        with pytest.raises(SystemExit, match=f"^error: --input_size {size} is not a multiple of the patch size {patch}$"):
+            drloc.check_args(args_for("--arch", arch, "--input_size", size))
 
 
 def test_position_tables_norms_and_biases_are_not_decayed():
