@@ -431,8 +431,9 @@ def load_features(folder):
                    f"split, one D); write them again with --dump_features")
     if not (train_features.isfinite().all() and test_features.isfinite().all()):
         common.die(f"--load_features {folder} holds non-finite features (NaN or inf): there is no k-NN result")
-    # the vote needs unit rows: --dump_features wrote them so, another tool's features may not be
-    return F.normalize(train_features.float(), dim=1), train_labels, F.normalize(test_features.float(), dim=1), test_labels
+    # the vote needs unit rows and int64 labels: --dump_features wrote them so, another tool may not have
+    return (F.normalize(train_features.float(), dim=1), train_labels.long(), F.normalize(test_features.float(), dim=1),
+            test_labels.long())
 
 
 def check_nb_knn(nb_knn, n_train):

@@ -461,9 +461,9 @@ def test_eval_knn_load_features_that_are_empty_or_do_not_fit_are_one_line(tmp_pa
     with pytest.raises(SystemExit, match="do not fit together: train features \\[4, 8\\], labels \\[4\\]; test "
                                          "features \\[2, 6\\], labels \\[2\\]"):
         eval_knn.main(args)
-    train = torch.tensor([[3.0, 0.0], [0.0, 0.5], [-2.0, 0.1]])      # another tool's: unnormalised, float64
-    for name, value in zip(eval_knn.FEATURE_FILES, (train.double(), torch.tensor([0, 1, 2]), torch.tensor([[0.2, 0.9]]),
-                                                    torch.tensor([1]))):
+    train = torch.tensor([[3.0, 0.0], [0.0, 0.5], [-2.0, 0.1]])      # another tool's: unnormalised, float64, int32
+    for name, value in zip(eval_knn.FEATURE_FILES, (train.double(), torch.tensor([0, 1, 2], dtype=torch.int32),
+                                                    torch.tensor([[0.2, 0.9]]), torch.tensor([1]))):
         torch.save(value, tmp_path / name)
     assert eval_knn.main(args) == {1: (100.0, None)}      # cosine, not dot product: [3, 0] is not the nearest
     torch.save(torch.tensor([[float("nan"), 1.0]]), tmp_path / "testfeat.pth")
