@@ -298,7 +298,7 @@ def add_evaluation(row, args, seed, kind):
     """The linear probe (kind "linear_top1") or the learning curve ("curve") of a logged row run
     without it, from its kept checkpoints: written into its log line, with the commands and their cost."""
     key = (args.data, row, args.variant, args.phase, seed)
-    logged = [r for r in compare_tables.current(results.read_log(args.log))[0] if log_key(r) == key]
+    logged = [r for r in compare_tables.current(provenance.read_log(args.log, LOG_KEYS))[0] if log_key(r) == key]
     if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
         return None      # not logged (or twice), already evaluated, or a random init (no curve)
     stamped = bool(logged[0].get("utc"))     # the line the tables show: a relogged row's stamped one

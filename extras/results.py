@@ -383,6 +383,9 @@ def variant_flags(variant, extra):
     return tail + (f' --extra "{extra}"' if extra else "")
 
 
+LOG_KEYS = ("run", "phase", "seed")      # every line of the log has them
+
+
 def log_key(record):
     return record["run"], record.get("variant", "recipe"), record["phase"], record["seed"]
 
@@ -440,10 +443,6 @@ def refresh(markdown, blocks, tag="results.py"):
     return re.sub(rf"<!-- {quoted}:(\w+) -->\n.*?<!-- /{quoted} -->", replace, markdown, flags=re.S)
 
 
-def read_log(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def get_args_parser():
     p = argparse.ArgumentParser("results.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
@@ -473,7 +472,7 @@ def main():
     if args.runs:
         provenance.check_log_writable(args.log)
     logged = {}                 # key: whether one of its lines is stamped
-    for r in read_log(args.log) if args.runs and Path(args.log).is_file() else []:
+    for r in provenance.read_log(args.log, LOG_KEYS) if args.runs and Path(args.log).is_file() else []:
         logged[log_key(r)] = logged.get(log_key(r), False) or bool(r.get("utc"))
     for name in args.runs:
         for seed in args.seeds if name != "pixels" else [0]:
@@ -488,7 +487,7 @@ def main():
             took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"
             print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
-        blocks = generated_blocks(provenance.read_log(args.log, ("run", "phase", "seed")))
+        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
         markdown = RESULTS_MD.read_text()
         refreshed = refresh(markdown, blocks)
         RESULTS_MD.write_text(refreshed)

@@ -73,6 +73,19 @@ def test_a_log_that_cannot_be_written_stops_the_run_before_any_training(tmp_path
     assert len(r.stderr.strip().splitlines()) == 1 and "nothing was run" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("script,args,log", [("extras/compare.py", ["--rows", "vit_dino"], "compare_32px.jsonl"),
+                                             ("extras/results.py", ["--runs", "dino"], "results_32px.jsonl")])
+def test_a_log_with_a_cut_line_stops_the_run_before_any_training(tmp_path, script, args, log):
+    """A run killed while it appended leaves half a line: it was json's traceback (results.py) before the run."""
+    lines = (ROOT / "docs" / "data" / log).read_text().splitlines()
+    cut = tmp_path / "log.jsonl"
+    cut.write_text("\n".join(lines[:2]) + "\n" + lines[2][:100])
+    r = subprocess.run([sys.executable, script, *args, "--work_dir", str(tmp_path / "work"), "--log", str(cut)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and not (tmp_path / "work").exists()
+    assert r.stderr == f"error: --log {cut} line 3 is not a JSON line: nothing is written\n", r.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # Every figure of a generated block comes from the log; every gain pairs a row with its own network
 # ------------------------------------------------------------------------------------------------
