@@ -202,6 +202,8 @@ def check_log_writable(path, what="--log"):
     if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
         reason = "a folder" if path.is_dir() else "no permission, or a read-only disk"
         sys.exit(f"error: {what} {path} cannot be written ({reason}); nothing was run")
+    if path.is_file() and path.stat().st_size:      # a cut line (a killed append) would swallow the next record
+        read_log(path, what=what)
 
 
 def read_log(path, required=(), what="--log"):

@@ -74,9 +74,11 @@ def test_a_log_that_cannot_be_written_stops_the_run_before_any_training(tmp_path
 
 
 @pytest.mark.parametrize("script,args,log", [("extras/compare.py", ["--rows", "vit_dino"], "compare_32px.jsonl"),
-                                             ("extras/results.py", ["--runs", "dino"], "results_32px.jsonl")])
+                                             ("extras/results.py", ["--runs", "dino"], "results_32px.jsonl"),
+                                             ("extras/quickstart.py", [], "quickstart.jsonl")])
 def test_a_log_with_a_cut_line_stops_the_run_before_any_training(tmp_path, script, args, log):
-    """A run killed while it appended leaves half a line: it was json's traceback (results.py) before the run."""
+    """A run killed while it appended leaves half a line: results.py gave json's traceback, and quickstart.py
+    trained, then appended its record to that half line (lost to every table)."""
     lines = (ROOT / "docs" / "data" / log).read_text().splitlines()
     cut = tmp_path / "log.jsonl"
     cut.write_text("\n".join(lines[:2]) + "\n" + lines[2][:100])
