@@ -79,7 +79,7 @@ def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_repla
     monkeypatch.setattr(sys, "argv", argv + ["--relog"])
     results.main()
     assert ran == [("dino", 0)]                         # seed 1 was logged again already
-    blocks = results.generated_blocks(results.read_log(log))
+    blocks = results.generated_blocks(provenance.read_log(log))
     assert blocks["relogged"].splitlines()[2:] == [
         "| dino | recipe | test | 0 | 60.00, 63.50 | +3.50 | 50.00, 50.50 | 2026-11-26 |",
         "| dino | recipe | test | 1 | 61.00, 61.25 | +0.25 | 50.00, 50.00 | 2026-11-26 |"]
@@ -168,7 +168,7 @@ def test_drloc_comparison_is_paired_by_seed():
 def test_results_md_is_what_table_generates_from_the_log():
     """docs/RESULTS.md's tables and commands are `results.py --table`'s output for the committed log."""
     committed = results.RESULTS_MD.read_text()
-    records = results.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl")
+    records = provenance.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl")
     assert "<!-- results.py:test -->" in committed and "<!-- results.py:commands -->" in committed
     assert results.refresh(committed, results.generated_blocks(records)) == committed, \
         "docs/RESULTS.md is stale: run python extras/results.py --table"
@@ -176,7 +176,7 @@ def test_results_md_is_what_table_generates_from_the_log():
 
 def test_each_listed_command_trains_what_its_logged_runs_trained():
     """The recipe as it stands plus the command's --extra parses to the logged run's arguments."""
-    for record in results.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl"):
+    for record in provenance.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl"):
         if record["run"] == "pixels":
             continue
         script, flags = results.RUNS[record["run"]]
@@ -343,7 +343,7 @@ def test_add_linear_writes_the_probe_into_the_logged_line(tmp_path, monkeypatch)
                       ("vit_random_recipe_test_seed0", "vit_random_recipe_test_seed0", True),
                       ("vit_random_recipe_test_seed1", "vit_random_recipe_test_seed1", True)]
     assert (work / "fashion_mnist" / "vit_random_recipe_test_seed0" / "start.pth").is_file()
-    after = results.read_log(log)
+    after = provenance.read_log(log)
     assert [r.get("linear_top1") for r in after] == [70.0, 35.0, 34.0, None, None, 36.0]
     assert after[1]["commands"] == ["python train", "python eval_linear.py"]
     assert after[1]["cpu_seconds"] == {"train": 2.0, "linear": 3.0}
@@ -377,7 +377,7 @@ def test_add_curve_evaluates_the_kept_checkpoints_of_the_logged_run_only(tmp_pat
     assert [compare.add_evaluation(row, args, seed, "curve") for row, seed in
             (("vit_dino", 0), ("vit_random", 1), ("vit_dino", 1))] == [None, None, [{"step": 200, "knn_top1": 57.5,
                                                                                   "overlap_accuracy": 16.0}]]
-    after = results.read_log(log)
+    after = provenance.read_log(log)
     assert after[2]["curve"] == [{"step": 200, "knn_top1": 57.5, "overlap_accuracy": 16.0}]
     assert after[2]["commands"] == ["python eval_knn.py checkpoint0004.pth"] and "curve_provenance" in after[2]
     assert [r for i, r in enumerate(after) if i != 2] == [r for i, r in enumerate(records) if i != 2]
@@ -455,11 +455,11 @@ def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", argv)
     compare.main()
     assert calls == [("vit_dino_recipe_test_seed0", "train_resumed.txt"), ("vit_dino_recipe_test_seed1", "train.txt")]
-    first, second = results.read_log(log)
+    first, second = provenance.read_log(log)
     assert first["resumed"] and "train_seconds" not in first and first["cpu_seconds"] == {"train_resumed": 5.0}
     assert "resumed" not in second and second["train_seconds"] == 5.0
     compare.main()                                   # both logged: nothing runs again
-    assert len(calls) == 2 and len(results.read_log(log)) == 2
+    assert len(calls) == 2 and len(provenance.read_log(log)) == 2
     assert capsys.readouterr().out.count("logged already") == 2
 
 
@@ -486,7 +486,7 @@ def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_repl
     monkeypatch.setattr(sys, "argv", argv + ["--relog"])
     compare.main()
     assert ran == [("vit_dino", 0)]                     # seed 1 has a stamped line already
-    records = results.read_log(log)
+    records = provenance.read_log(log)
     shown, pairs = compare.compare_tables.current(records)
     assert [(r["row"], r["seed"], r["knn_top1"]) for r in shown] == [
         ("vit_random", 0, 50.0), ("vit_random", 1, 50.0), ("vit_dino", 1, 61.5), ("vit_dino", 0, 64.25)]
@@ -503,7 +503,7 @@ def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_repl
 
 def test_comparison_md_is_what_table_generates_from_the_log():
     log = results.ROOT / "docs" / "data" / "compare_32px.jsonl"
-    records = results.read_log(log) if log.exists() else []
+    records = provenance.read_log(log) if log.exists() else []
     committed = compare.COMPARISON_MD.read_text()
     assert "<!-- compare.py:fashion_mnist_test -->" in committed and "<!-- compare.py:commands -->" in committed
     assert results.refresh(committed, compare.generated_blocks(records), tag="compare.py") == committed, \
@@ -514,7 +514,7 @@ def test_comparison_md_is_what_table_generates_from_the_log():
 def test_summaries_are_what_table_generates_from_the_log(path):
     """README's "Results at a glance" and docs/RESULTS.md hold the comparison's summary block."""
     log = results.ROOT / "docs" / "data" / "compare_32px.jsonl"
-    records = results.read_log(log) if log.exists() else []
+    records = provenance.read_log(log) if log.exists() else []
     text = path.read_text()
     assert "<!-- compare.py:summary -->" in text
     blocks = compare.generated_blocks(records)
