@@ -1196,8 +1196,8 @@ def resume_position(ckpt, dataset, args):
     change = (f"{old['images']} images, now {new['images']}" if old["images"] != new["images"]
               else f"{new['images']} images as now, but other files or labels")
     if not args.allow_changed_args:
-        die(f"{Path(args.output_dir) / 'checkpoint.pth'} was trained on another dataset ({change}); resume with the same data, or use another "
-            f"--output_dir, or --allow_changed_args to go on with this one from the start of epoch {epoch}")
+        die(f"{Path(args.output_dir) / 'checkpoint.pth'} was trained on another dataset ({change}); resume with the same "
+            f"data, or use another --output_dir, or --allow_changed_args to go on with this one from the start of epoch {epoch}")
     log(f"warning: resuming on another dataset ({change}; --allow_changed_args): epoch {epoch} starts again at "
         f"its first batch" + (f" (the checkpoint stopped after step {step})" if step else ""))
     return epoch, 0

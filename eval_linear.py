@@ -405,7 +405,7 @@ def main(args):
             sampler.set_epoch(epoch)
             record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, args, device)
         if not math.isfinite(record["train_loss"]):     # a diverged probe's accuracy is no result
-            common.die(f"the probe's train loss is {record['train_loss']} at epoch {epoch} (no checkpoint written): "
+            common.die(f"the probe's train loss is {record['train_loss']} at epoch {epoch} (this epoch is not saved): "
                        f"lower --lr (now {args.lr:g}), or check the features")
         if epoch % args.val_freq == 0 or epoch == args.epochs - 1:
             record.update(validate(model, classifier, val_loader, len(val_set), num_labels, args, device))
