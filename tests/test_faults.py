@@ -261,7 +261,6 @@ def test_eval_linear_refuses_a_training_folder_and_writes_nothing_on_failure(tmp
     assert not fresh.exists()
 
 
-
 @pytest.mark.parametrize("script", ["dino.py", "esvit.py", "glsd.py", "selfpatch.py", "drloc.py"])
 def test_training_refuses_a_linear_probes_folder(tmp_path, script):
     """The other way round: a training script overwrote the probe's args.json and appended to its log.txt."""
