@@ -415,7 +415,8 @@ def sample_seed(*keys):
 
 class SeededDataset(torch.utils.data.Dataset):
     """`transform(base[index])` under a seed of (seed, epoch, index) only, whatever the workers, processes or
-    resumption; `make_loader` asks for `dataset[(index, epoch)]` (persistent workers miss `set_epoch`)."""
+    resumption; `make_loader` asks for `dataset[(index, epoch)]` (persistent workers keep their copy of
+    `self.epoch`, the epoch of a plain `dataset[index]`)."""
 
     def __init__(self, base, transform, seed=0, batched=False):
         self.base, self.transform, self.seed, self.epoch, self.batched = base, transform, seed, 0, batched
@@ -426,9 +427,6 @@ class SeededDataset(torch.utils.data.Dataset):
         if len(sizes) > 1:
             die(f"--batched_crops needs images of one size; {base.root if hasattr(base, 'root') else 'the folder'} has "
                 f"sizes {sorted(sizes)}: drop the flag")
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
 
     def __len__(self):
         return len(self.base)
@@ -961,8 +959,6 @@ class PreemptibleLoader(torch.utils.data.DataLoader):
     """SLURM and torchrun signal loader workers too, whose death would stop training before the
     checkpoint: workers start with the signals blocked, then ignore them (`ignore_preemption_signals`)."""
     def __iter__(self):
-        if self.num_workers == 0:
-            return super().__iter__()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
         try:
             return super().__iter__()
@@ -1127,6 +1123,10 @@ def checkpoint_to_resume(args, method):
     """--output_dir's checkpoint.pth, written by `method` with the same arguments, or None."""
     path, ckpt = Path(args.output_dir) / "checkpoint.pth", None
     args.world_size = get_world_size()      # recorded: with --batch_size_per_gpu, the total batch and so the peak lr
+    vit = ARCHS[args.arch]["family"] == "vit"      # a flag that --arch ignores would be in args.json as if it were used
+    if (args.window_size != 7 or args.fit_window) if vit else args.patch_size != 16:
+        die(f"{args.arch} would ignore " + ("--window_size and --fit_window (Swin flags): drop them" if vit else
+                                            "--patch_size (a ViT flag; a Swin's patch is set by --arch): drop it"))
     if (path.parent / "linear_checkpoint.pth").exists():        # its args.json and log.txt are not ours to overwrite
         die(f"--output_dir {path.parent} holds a linear probe (linear_checkpoint.pth), whose args.json and log.txt "
             f"{method}.py would overwrite; give {method}.py its own --output_dir (default runs/{method})")
@@ -1179,8 +1179,7 @@ def dataset_record(dataset):
     if hasattr(base, "samples"):
         entries = [f"{os.path.relpath(base.samples[i][0], base.root)}\t{base.samples[i][1]}" for i in indices]
     else:
-        labels = getattr(base, "targets", None)
-        labels = getattr(base, "labels", None) if labels is None else labels
+        labels = next((v for v in (getattr(base, "targets", None), getattr(base, "labels", None)) if v is not None), None)
         entries = [] if labels is None else [str(int(labels[i])) for i in indices]
     text = "\n".join([type(base).__name__, *map(str, getattr(base, "classes", None) or []), *entries])
     dataset.data_record = {"images": len(dataset), "fingerprint": hashlib.sha256(text.encode()).hexdigest()[:16]}

@@ -265,7 +265,8 @@ def row_flags(name, precision, args, output_dir):
     """The method's flags for a row: the bench's backbone, crops, heads and data, one short epoch."""
     module, own = METHODS[name]
     steps = args.warmup + args.steps
-    flags = ["--arch", args.arch, "--patch_size", str(args.patch_size), "--window_size", str(args.window_size),
+    vit = common.ARCHS[args.arch]["family"] == "vit"                 # the other family's flag would be refused
+    flags = ["--arch", args.arch, *(["--patch_size", str(args.patch_size)] if vit else ["--window_size", str(args.window_size)]),
              "--batch_size_per_gpu", str(args.batch_size), "--dataset", "synthetic",
              "--synthetic_images", str((steps + 1) * args.batch_size),   # the last step waits for a real batch
              "--synthetic_image_size", str(args.global_crop_size), "--num_workers", str(args.num_workers),

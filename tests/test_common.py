@@ -579,11 +579,11 @@ def test_seeded_dataset_is_a_function_of_seed_epoch_index():
     torch.manual_seed(999)
     _ = ds[2]
     assert_same(ds[4], first)  # another global seed, another sample in between: same crops
-    ds.set_epoch(1)
+    ds.epoch = 1
     other_epoch = ds[4]
     assert not torch.equal(other_epoch[0][0][0], first[0][0][0])
     assert not torch.equal(other_epoch[0][1][0]["box"], first[0][1][0]["box"])
-    ds.set_epoch(0)
+    ds.epoch = 0
     assert_same(ds[4], first)  # resuming epoch 0 gives it back
     assert not torch.equal(synthetic_seeded(seed=4)[4][0][0][0], first[0][0][0])
 
@@ -609,7 +609,7 @@ def test_seeded_augmentation_independent_of_workers_and_order():
                 assert torch.equal(crops[c][j], ref_crops[c][k])
                 assert torch.equal(geo[c]["box"][j], ref_geo[c]["box"][k])
                 assert torch.equal(geo[c]["flip"][j], ref_geo[c]["flip"][k])
-    ds.set_epoch(1)
+    ds.epoch = 1
     epoch1 = load_all(ds, 2)
     assert_same(load_all(ds, 0), epoch1)
     assert not torch.equal(epoch1[0][0][0][0], single[0][0][0][0])

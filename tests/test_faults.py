@@ -275,6 +275,19 @@ def test_training_refuses_a_linear_probes_folder(tmp_path, script):
     assert (probe / "args.json").read_text() == '{"n_last_blocks": 4}' and (probe / "log.txt").read_text() == "{}\n"
 
 
+@pytest.mark.parametrize("script", ["dino.py", "esvit.py", "glsd.py", "selfpatch.py", "drloc.py"])
+@pytest.mark.parametrize("flags,expected", [
+    (["--arch", "swin_pico3", "--patch_size", "8"], "swin_pico3 would ignore --patch_size (a ViT flag"),
+    (["--arch", "vit_pico", "--fit_window", "true"], "vit_pico would ignore --window_size and --fit_window"),
+    (["--arch", "vit_pico", "--window_size", "4"], "vit_pico would ignore --window_size and --fit_window")],
+    ids=["swin_patch_size", "vit_fit_window", "vit_window_size"])
+def test_a_backbone_flag_that_the_arch_ignores_is_refused(tmp_path, script, flags, expected):
+    """Before: trained without it, yet args.json recorded it as if it had been used."""
+    r = run_here(script, *flags, "--output_dir", str(tmp_path / "run"), "--dataset", "synthetic")
+    one_line_error(r, expected)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("num_labels,classes,ok", [(1, ["a", "b"], False), (3, ["a", "b"], False), (2, ["a", "b"], True)])
 def test_eval_linear_num_labels_must_match_the_classes(num_labels, classes, ok):
     import eval_linear
