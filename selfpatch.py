@@ -345,9 +345,15 @@ def candidates(h, w, wrap, k, device):
     return neighbors.to(device), valid.to(device)
 
 
-def build_model(args, drop_path_rate):
-    if common.ARCHS.get(args.arch, {}).get("family") != "vit":
+def check_args(args):
+    """Refused before any data or model work: a Swin; a --k_num that a crop's patch grid cannot offer (`candidates`)."""
+    if common.ARCHS[args.arch]["family"] != "vit":
         common.die(f"--arch {args.arch}: SelfPatch is implemented for ViT backbones only (vit_*)")
+    for size in {args.global_crop_size, args.local_crop_size if args.local_crops_number else args.global_crop_size}:
+        candidates(size // args.patch_size, size // args.patch_size, args.neighbors_wrap, args.k_num, "cpu")
+
+
+def build_model(args, drop_path_rate):
     backbone = common.backbone_from_args(args, drop_path_rate, class_token=False, final_norm=False)
     dim = backbone.num_features
     ca_head = AggregationModule(dim, backbone.blocks[0].attn.num_heads)
@@ -425,6 +431,7 @@ def main(args):
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
     common.check_start_args(args)
+    check_args(args)
     common.claim_output_dir(args.output_dir)           # refused while another run uses it
     ckpt = common.checkpoint_to_resume(args, "selfpatch")  # or None: a fresh start
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))

@@ -283,7 +283,20 @@ def test_training_refuses_a_linear_probes_folder(tmp_path, script):
     ids=["swin_patch_size", "vit_fit_window", "vit_window_size"])
 def test_a_backbone_flag_that_the_arch_ignores_is_refused(tmp_path, script, flags, expected):
     """Before: trained without it, yet args.json recorded it as if it had been used."""
+    if script == "selfpatch.py" and flags[1].startswith("swin"):
+        expected = "SelfPatch is implemented for ViT backbones only"        # its own check comes first
     r = run_here(script, *flags, "--output_dir", str(tmp_path / "run"), "--dataset", "synthetic")
+    one_line_error(r, expected)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--arch", "swin_pico3"], "SelfPatch is implemented for ViT backbones only"),
+    (["--global_crop_size", "32", "--local_crop_size", "16", "--patch_size", "8"], "--k_num 4 needs 1 to 3 positives on a 2x2")],
+    ids=["swin", "local_grid_too_small"])
+def test_selfpatch_refuses_its_backbone_and_k_num_before_any_work(tmp_path, flags, expected):
+    """Before: refused after the data (here: missing) was read, a --k_num in the first step, leaving an args.json."""
+    r = run_here("selfpatch.py", *flags, "--output_dir", str(tmp_path / "run"), "--data_path", str(tmp_path / "none"))
     one_line_error(r, expected)
     assert not (tmp_path / "run").exists()
 

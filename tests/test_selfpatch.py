@@ -120,7 +120,7 @@ def test_too_few_candidates_is_a_clear_error():
     with pytest.raises(SystemExit, match="1x1 patch grid"):
         model.positives(torch.randn(1, 1, 1, 64))               # no neighbour at all
     with pytest.raises(SystemExit, match="--arch swin_pico"):
-        sp.build_model(tiny_args(arch="swin_pico"), 0.0)
+        sp.check_args(tiny_args(arch="swin_pico"))
 
 
 # ------------------------------------------------------------------------------------------------
