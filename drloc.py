@@ -307,8 +307,6 @@ def build_model(args, num_classes):
     --lambda_drloc 0, none: the plain supervised baseline, initialised identically)."""
     backbone = common.backbone_from_args(args, args.drop_path_rate,
                                          layer_norm_eps=1e-5 if args.arch.startswith("swin") else 1e-6)
-    if args.drloc_mode == "all" and not isinstance(backbone, common.Swin):
-        common.die("--drloc_mode all needs a Swin --arch (one DRLoc head per stage)")
     heads = []
     if args.lambda_drloc:
         with torch.random.fork_rng(devices=[]), torch.no_grad():   # leaves the RNG as it was
@@ -374,6 +372,8 @@ def check_args(args):
     patch = args.patch_size if common.ARCHS[args.arch]["family"] == "vit" else common.ARCHS[args.arch].get("patch_size", 4)
     if args.input_size % patch:           # before the backbone, whose own error would name a global crop
         common.die(f"--input_size {args.input_size} is not a multiple of the patch size {patch}")
+    if args.drloc_mode == "all" and common.ARCHS[args.arch]["family"] != "swin":
+        common.die("--drloc_mode all needs a Swin --arch (one DRLoc head per stage)")
     if args.drloc_normalize and args.drloc_mode in ("ce", "reg"):
         common.die(f"--drloc_normalize applies to the l1 modes only; --drloc_mode {args.drloc_mode} classifies "
                    f"integer offsets")

@@ -307,7 +307,7 @@ def test_too_small_grid_and_bad_flags_fail_with_one_line():
     with pytest.raises(SystemExit, match="--input_size"):
         drloc.build_model(drloc.get_args_parser().parse_args(["--arch", "swin_pico", "--input_size", "32"]), 3)
     with pytest.raises(SystemExit, match="needs a Swin"):
-        drloc.build_model(drloc.get_args_parser().parse_args(["--arch", "vit_pico", "--drloc_mode", "all"]), 3)
+        drloc.check_args(drloc.get_args_parser().parse_args(["--arch", "vit_pico", "--drloc_mode", "all"]))
     with pytest.raises(SystemExit, match="--drloc_normalize"):
         drloc.check_args(args_for("--drloc_mode", "ce", "--drloc_normalize", "true"))
     for arch, size, patch in ("vit_pico", "40", 16), ("swin_pico", "42", 4):   # the flag it names is --input_size
