@@ -235,7 +235,7 @@ def test_the_random_init_row_evaluates_the_runs_starting_weights(tmp_path, monke
     SelfPatch, whose networks differ)."""
     import common
     import eval_knn
-    for script, extra in (("dino", []), ("selfpatch", ["--patch_out_dim", "64"])):
+    for script, extra in (("dino", []), ("selfpatch", ["--patch_out_dim", "64", "--k_num", "3"])):
         module = __import__(script)
         flags = ["--arch", "vit_pico", "--patch_size", "8", "--dataset", "synthetic", "--synthetic_images", "16",
                  "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16",
