@@ -140,6 +140,8 @@ def check_feature_args(model, args):
         if args.avgpool_patchtokens:
             common.die("--avgpool_patchtokens applies to ViT CLS features; a Swin feature is already a token mean")
     else:
+        if args.avgpool_patchtokens:
+            common.die("--avgpool_patchtokens applies to ViT CLS features; SelfPatch's is its aggregation head's image token")
         common.log("SelfPatch: the feature is the aggregation head's image token (--n_last_blocks does not apply)")
         return
     if not 1 <= args.n_last_blocks <= n_max:

@@ -319,6 +319,10 @@ def test_feature_arguments_are_checked():
     with pytest.raises(SystemExit, match="avgpool_patchtokens"):
         eval_linear.check_feature_args(swin, argparse.Namespace(n_last_blocks=1, avgpool_patchtokens=True))
     eval_linear.check_feature_args(swin, argparse.Namespace(n_last_blocks=8, avgpool_patchtokens=False))
+    pooled = torch.nn.Identity()                  # neither: SelfPatch's network, read through its aggregation head
+    with pytest.raises(SystemExit, match="SelfPatch's is its aggregation head's image token"):     # was ignored
+        eval_linear.check_feature_args(pooled, argparse.Namespace(n_last_blocks=4, avgpool_patchtokens=True))
+    eval_linear.check_feature_args(pooled, argparse.Namespace(n_last_blocks=4, avgpool_patchtokens=False))
 
 
 # ================================================================================================
