@@ -436,6 +436,17 @@ def load_features(folder):
             test_labels.long())
 
 
+def check_load_features_args(args):
+    """--load_features holds features already: a model or data flag beside it would be silently unused."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_weights_args(scratch), add_eval_data_args(scratch)
+    unused = [f"--{name}" for name, default in vars(scratch.parse_args([])).items() if getattr(args, name) != default]
+    unused += ["--dump_features"] * bool(args.dump_features)
+    if unused:
+        common.die(f"--load_features {args.load_features} evaluates saved features: {', '.join(unused)} would be "
+                   f"ignored; drop {'it' if len(unused) == 1 else 'them'}")
+
+
 def check_nb_knn(nb_knn, n_train):
     if max(nb_knn) > n_train:
         common.die(f"--nb_knn {max(nb_knn)} is more than the {n_train} train images; "
@@ -447,6 +458,7 @@ def main(args):
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.load_features:
+        check_load_features_args(args)
         train_features, train_labels, test_features, test_labels = load_features(args.load_features)
         images = {"train": 0, "test": 0}                  # (not known: the features are all there is)
     else:

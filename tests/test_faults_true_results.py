@@ -469,3 +469,21 @@ def test_eval_knn_load_features_that_are_empty_or_do_not_fit_are_one_line(tmp_pa
     torch.save(torch.tensor([[float("nan"), 1.0]]), tmp_path / "testfeat.pth")
     with pytest.raises(SystemExit, match="holds non-finite features \\(NaN or inf\\): there is no k-NN result"):
         eval_knn.main(args)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--pretrained_weights", "other.pth", "--arch", "swin_pico3"], "--pretrained_weights, --arch would be ignored; "
+                                                                    "drop them"),
+    (["--data_path", "elsewhere"], "--data_path would be ignored; drop it"),
+    (["--random_init"], "--random_init would be ignored"), (["--crop", "32"], "--crop would be ignored"),
+    (["--dump_features", "again"], "--dump_features would be ignored")])
+def test_eval_knn_load_features_refuses_the_model_and_data_flags_it_would_ignore(tmp_path, flags, named):
+    """Saved features are all --load_features evaluates: another checkpoint or dataset beside them is not used."""
+    for name, value in zip(eval_knn.FEATURE_FILES, (torch.eye(2), torch.tensor([0, 1]), torch.eye(2),
+                                                    torch.tensor([0, 1]))):
+        torch.save(value, tmp_path / name)
+    argv = ["--load_features", str(tmp_path), "--nb_knn", "1"]
+    assert eval_knn.main(parse(eval_knn, [*argv, "--temperature", "0.1"])) == {1: (100.0, None)}   # k-NN flags apply
+    with pytest.raises(SystemExit, match=f"--load_features {tmp_path} evaluates saved features: {named}"):
+        eval_knn.main(parse(eval_knn, [*argv, *flags]))
+    assert not (Path.cwd() / "again").exists()
