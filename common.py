@@ -691,8 +691,7 @@ def read_idx(path):
     """An IDX file of unsigned bytes (MNIST's format), `path.gz` or else `path`, as a numpy array."""
     path = Path(f"{path}.gz") if Path(f"{path}.gz").exists() else Path(path)
     try:
-        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-            data = f.read()
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         if data[:3] != b"\0\0\x08":
             raise ValueError(f"it starts {data[:4]!r}, not with an IDX header of unsigned bytes")
         shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(data[3])]
@@ -790,6 +789,8 @@ def build_dataset(args, train=True):
 def named_dataset(args, train):
     name, path = args.dataset, getattr(args, "data_path", None)
     if name == "synthetic":
+        if path:        # drawn, not read: a folder beside it would be silently unused
+            die(f"--dataset synthetic draws its images; --data_path {path} would be ignored: drop it (or --dataset folder)")
         return SyntheticShapes(args.synthetic_images if train else max(args.synthetic_images // 4, 10),
                                args.synthetic_image_size, train=train, seed=args.synthetic_seed)
     if name == "fashion_mnist":

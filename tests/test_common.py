@@ -805,6 +805,11 @@ def test_build_dataset_errors_name_the_problem(tmp_path):
         common.build_dataset(Namespace(dataset="imagenet22k", data_path=None))
     with pytest.raises(SystemExit, match="nothing is downloaded"):
         common.build_dataset(Namespace(dataset="cifar10", data_path=None))
+    synthetic = dict(dataset="synthetic", synthetic_images=8, synthetic_image_size=16, synthetic_seed=0)
+    assert len(common.build_dataset(Namespace(**synthetic, data_path=None))) == 8
+    with pytest.raises(SystemExit, match=re.escape(f"--dataset synthetic draws its images; --data_path {empty} would "
+                                                   "be ignored: drop it (or --dataset folder)")):
+        common.build_dataset(Namespace(**synthetic, data_path=str(empty)))     # not the folder the user meant
 
 
 def test_image_folder_and_bad_images(tmp_path):
