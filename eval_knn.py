@@ -414,6 +414,20 @@ def check_dump_folder(folder):
                    f"(or delete them)")
 
 
+def dump_features(folder, tensors):
+    """All four files or none: a part (a full disk) would be refused by the next --dump_features and --load_features."""
+    written = []
+    try:
+        for name, tensor in zip(FEATURE_FILES, tensors):
+            common.save_checkpoint(tensor.cpu(), Path(folder) / name)     # atomic; a failed write is one line
+            written.append(Path(folder) / name)
+    finally:
+        if len(written) < len(FEATURE_FILES):
+            for path in written:
+                path.unlink()
+    common.log(f"features saved to {folder}")
+
+
 def load_features(folder):
     """What --dump_features wrote into `folder`: train and test features [N, D] and labels [N], checked."""
     if not all((Path(folder) / name).is_file() for name in FEATURE_FILES):
@@ -475,9 +489,7 @@ def main(args):
         train_features, train_labels = extract_features(model, train_set, transform, args, device)
         test_features, test_labels = extract_features(model, test_set, transform, args, device)
         if args.dump_features and common.is_main_process():
-            for name, t in zip(FEATURE_FILES, (train_features, train_labels, test_features, test_labels)):
-                torch.save(t.cpu(), Path(args.dump_features) / name)
-            common.log(f"features saved to {args.dump_features}")
+            dump_features(args.dump_features, (train_features, train_labels, test_features, test_labels))
     if not common.is_main_process():
         dist.barrier()       # as the authors: every process ends after rank 0's k-NN (not a group torn down under it)
         return None

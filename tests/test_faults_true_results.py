@@ -487,3 +487,21 @@ def test_eval_knn_load_features_refuses_the_model_and_data_flags_it_would_ignore
     with pytest.raises(SystemExit, match=f"--load_features {tmp_path} evaluates saved features: {named}"):
         eval_knn.main(parse(eval_knn, [*argv, *flags]))
     assert not (Path.cwd() / "again").exists()
+
+
+def test_eval_knn_dump_features_on_a_full_disk_is_one_line_and_leaves_no_part(tmp_path, monkeypatch):
+    """A part would be refused by the next --dump_features (never overwritten) and --load_features (incomplete)."""
+    opened = []
+
+    def open_until_the_disk_is_full(path, mode):
+        opened.append(path)
+        return open("/dev/full" if len(opened) > 2 else path, mode)     # ENOSPC from the third file on
+    monkeypatch.setattr(common, "open", open_until_the_disk_is_full, raising=False)
+    tensors = (torch.eye(2), torch.tensor([0, 1]), torch.eye(2), torch.tensor([0, 1]))
+    with pytest.raises(SystemExit, match=f"cannot write {tmp_path / 'testfeat.pth'}: No space left on device"):
+        eval_knn.dump_features(tmp_path, tensors)
+    assert len(opened) == 3 and not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    eval_knn.check_dump_folder(tmp_path)         # the same command again: allowed, and it writes all four
+    eval_knn.dump_features(tmp_path, tensors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(eval_knn.FEATURE_FILES)
