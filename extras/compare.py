@@ -149,7 +149,7 @@ class Evaluator:
         kind = log_name.split(".")[0].split("_")[0]
         self.commands.append(" ".join(["python", *args]))
         start, cpu = time.time(), children_cpu_seconds()
-        output = results.run([sys.executable, *args], self.out / log_name)
+        output = provenance.run([sys.executable, *args], self.out / log_name)
         for total, value in ((self.wall_seconds, time.time() - start), (self.cpu_seconds, children_cpu_seconds() - cpu)):
             total[kind] = round(total.get(kind, 0.0) + value, 1)
         figures = [line for line in output.splitlines() if re.search(RAW_FIGURES, line)]

@@ -11,6 +11,8 @@ extras/results.py and extras/quickstart.py; not a script).
   initialisation) only if their signatures are equal.
 - `starting_checkpoint(...)`: a training command's network at its first step (the method's own
   `build_model` after `--seed`), written as a checkpoint that eval_knn.py reads.
+- `run(cmd, log_path)`: a command of a logged piece of work, its output kept; a SIGTERM to the
+  driver is passed on to it (a training writes its checkpoint), so that none is left running.
 - `read_log(path)`: a log's records, or one line and a non-zero exit when the log is missing, not
   a file, empty, or not JSON lines (a generator must not write tables from nothing).
 """
@@ -21,6 +23,7 @@ import importlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +67,34 @@ def load_average():
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def run(cmd, log_path):
+    """`cmd`'s output, also written to `log_path`; one line and a non-zero exit if it fails. A SIGTERM to
+    this driver (kill, timeout, a scheduler's) is passed on: without it the command would go on, orphaned,
+    holding its --output_dir. A method script then writes its checkpoint, which the same command resumes."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    stopped = []
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+
+        def pass_on(*_):
+            stopped.append("SIGTERM")
+            child.terminate()
+        previous = signal.signal(signal.SIGTERM, pass_on)
+        try:
+            returncode = child.wait()
+        except KeyboardInterrupt:               # Ctrl-C reached the command too (the terminal's process group)
+            stopped.append("Ctrl-C")
+            returncode = child.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    if stopped:
+        sys.exit(f"stopped ({stopped[0]}) during {cmd[1] if len(cmd) > 1 else cmd[0]}; see {log_path}; run the same "
+                 f"command again to go on")
+    if returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed; see {log_path}")
+    return Path(log_path).read_text()
+
+
 def start():
     """What `stamp` needs from the start of a logged piece of work, the commit included: the code that
     runs is the one checked out now, whatever is committed before the work ends."""
@@ -78,7 +109,7 @@ def stamp(started):
     return {"started_utc": started["started_utc"], "utc": utc_now(), "commit": started["commit"],
             "uncommitted": started["uncommitted"],
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
-                        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),   # what results.run gives each command
+                        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),   # what run() gives each command
                         "load_average_start": started["load_average_start"], "load_average_end": load_average(),
                         "torch": torch.__version__, "python": platform.python_version()}}
 

@@ -66,12 +66,12 @@ def run(args):
     evaluation = ["eval_knn.py", *weights, *eval_data, *EVAL.split()]
     baseline = ["eval_knn.py", *weights, "--random_init", *eval_data, *EVAL.split()]
     start = time.time()
-    results.run([sys.executable, *train], out / "train.txt")
+    provenance.run([sys.executable, *train], out / "train.txt")
     provenance.check_trained(train, out)
     train_seconds = round(time.time() - start, 1)
     raw = {}
     for key, command in (("knn", evaluation), ("random_init", baseline)):
-        raw[key] = knn_line(results.run([sys.executable, *command], out / f"eval_{key}_{args.eval_data or args.data}.txt"))
+        raw[key] = knn_line(provenance.run([sys.executable, *command], out / f"eval_{key}_{args.eval_data or args.data}.txt"))
     epochs_log = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     top1 = {k: float(re.search(r"top-1 ([0-9.]+)%", v).group(1)) for k, v in raw.items()}
     return {"data": args.eval_data or args.data, "trained_on": args.data, "phase": args.phase,

@@ -24,10 +24,8 @@ import argparse
 import importlib
 import json
 import math
-import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,15 +90,6 @@ RUNS = {
        for suffix, extra in (("", ""), ("_base", " --lambda_drloc 0"))},
 }
 HOLDOUT = 10000
-
-
-def run(cmd, log_path):
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with open(log_path, "w") as log:
-        result = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    if result.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed; see {log_path}")
-    return Path(log_path).read_text()
 
 
 def knn_top1(output):
@@ -188,7 +177,7 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
     train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed), "--output_dir", str(out)]
     resumed = (out / "checkpoint.pth").exists()     # a stopped run goes on: its time would be its last process's only
     start = time.time()
-    run(train, out / "train.txt")
+    provenance.run(train, out / "train.txt")
     provenance.check_trained(train, out)
     record.update({"resumed": True} if resumed else {"train_seconds": round(time.time() - start, 1)})
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
@@ -201,11 +190,11 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
         return record
     evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20", "--num_workers", "1",
                   "--resize", "32", "--crop", "32", "--pretrained_weights", str(out / "checkpoint.pth"), *split]
-    outputs = {"eval": run(evaluation, out / "eval.txt")}
+    outputs = {"eval": provenance.run(evaluation, out / "eval.txt")}
     record["top1"] = knn_top1(outputs["eval"])
     record["eval_command"] = " ".join(["python", *evaluation[1:]])
     baseline = [*evaluation, "--random_init", "--seed", str(seed)]
-    outputs["random_init"] = run(baseline, out / "eval_random.txt")
+    outputs["random_init"] = provenance.run(baseline, out / "eval_random.txt")
     record["random_init_top1"] = knn_top1(outputs["random_init"])
     record["random_init_command"] = " ".join(["python", *baseline[1:]])
     record["raw_output"] = {k: [line for line in v.splitlines() if "NN classifier result" in line] for k, v in outputs.items()}

@@ -4,6 +4,7 @@ values); a gain over random initialisation pairs a row only with its own network
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +276,30 @@ def test_a_line_names_the_commit_its_work_started_from(monkeypatch):
     line = provenance.stamp(started)
     assert line["commit"] == "a" * 40 and line["uncommitted"] == ["common.py"]
     assert line["started_utc"] == started["started_utc"] and line["machine"]["load_average_end"]
+
+
+
+@pytest.mark.parametrize("name, sent", [("SIGTERM", "os.kill(os.getppid(), signal.SIGTERM)"),    # kill, timeout
+                                        ("Ctrl-C", "[os.kill(p, signal.SIGINT) for p in (os.getppid(), os.getpid())]")])
+def test_a_signal_to_a_driver_stops_its_command_which_is_not_left_running(tmp_path, name, sent):
+    """A SIGTERM to results.py / compare.py alone reaches the training it runs (which then writes its
+    checkpoint), and the driver says how to go on: not 'failed', not a traceback, no orphan left running.
+    (Ctrl-C in a terminal reaches both processes: the command sends SIGINT to both.)"""
+    command = ("import os, signal, sys, time\n"
+               "signal.signal(signal.SIGTERM, lambda *_: (print('checkpoint written', flush=True), sys.exit(0)))\n"
+               "signal.signal(signal.SIGINT, lambda *_: (print('interrupted', flush=True), sys.exit(130)))\n"
+               f"time.sleep(0.5)\n{sent}\ntime.sleep(60)\n")
+    caught = []
+
+    def tests_handler(*_):        # were the driver's handler not in place, this one would see the SIGTERM
+        caught.append("SIGTERM")
+    previous = signal.signal(signal.SIGTERM, tests_handler)
+    try:
+        log = tmp_path / "command.txt"
+        with pytest.raises(SystemExit, match=re.escape(f"stopped ({name}) during -c; see {log}; run the same command "
+                                                       f"again to go on")):
+            provenance.run([sys.executable, "-c", command], log)
+        assert log.read_text() == {"SIGTERM": "checkpoint written\n", "Ctrl-C": "interrupted\n"}[name]
+        assert not caught and signal.getsignal(signal.SIGTERM) is tests_handler          # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)

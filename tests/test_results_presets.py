@@ -648,7 +648,7 @@ def test_a_resumed_run_is_logged_without_a_train_time(tmp_path, monkeypatch):
         (out / "log.txt").write_text("".join(json.dumps({"epoch": e, "peak_memory_mb": 1.0, "val_acc1": 50.0}) + "\n"
                                              for e in range(2)))
         return ""
-    monkeypatch.setattr(results, "run", training)
+    monkeypatch.setattr(provenance, "run", training)
     fresh = results.train_and_evaluate_unstamped("drloc5k_vit", "recipe", "", "val", 0, tmp_path / "fresh")
     stopped = tmp_path / "stopped" / "drloc5k_vit_recipe_val_seed0"
     stopped.mkdir(parents=True)
@@ -673,7 +673,7 @@ def test_a_training_stopped_by_a_preemption_signal_is_neither_evaluated_nor_logg
         (out / "log.txt").write_text("".join(json.dumps({"epoch": e, "peak_memory_mb": 1.0}) + "\n" for e in range(3)))
         log_path.write_text("received SIGTERM: checkpoint written to ...; run the same command again to resume\n")
         return log_path.read_text()
-    monkeypatch.setattr(results, "run", preempted_training)
+    monkeypatch.setattr(provenance, "run", preempted_training)
     args = compare.get_args_parser().parse_args(["--work_dir", str(tmp_path), "--rows", "swin_dino"])
     with pytest.raises(SystemExit, match=r"stopped after 3 of 8 epochs .*run the same command again"):
         compare.run_row("swin_dino", args, 0)
