@@ -827,21 +827,21 @@ def build_eval_splits(args):
     if isinstance(getattr(test, "dataset", test), ImageFolderSafe):     # (a --holdout Subset's own folder)
         getattr(test, "dataset", test).substitute = False               # evaluated: unreadable images left out
     train_classes, test_classes = getattr(train, "classes", None), getattr(test, "classes", None)
+    if train_classes is not None and len(train_classes) < 2:      # e.g. an unlabelled layout, train/images/*.jpg
+        die(f"the train split has one class ({train_classes[0]}): any classifier scores 100%; give one sub-folder per class")
     if train_classes is None or test_classes is None or list(train_classes) == list(test_classes):
         return train, test
     unknown = [c for c in test_classes if c not in train_classes]
     if unknown:
         die(f"the test split has classes that the train split does not have: {', '.join(unknown[:10])}"
-            f"{f' ... ({len(unknown)} in all)' if len(unknown) > 10 else ''}; a classifier cannot predict them "
-            f"(give both splits the same class folders)")
+            f"{' ...' * (len(unknown) > 10)}; a classifier cannot predict them (give both splits the same class folders)")
     if not isinstance(test, tv_datasets.DatasetFolder):
         die(f"the train and test splits name their classes differently ({len(train_classes)} vs {len(test_classes)})")
     index = [list(train_classes).index(name) for name in test_classes]    # test label -> train label
     test.samples = test.imgs = [(path, index[label]) for path, label in test.samples]
     test.targets = [label for _, label in test.samples]
     test.classes, test.class_to_idx = list(train_classes), dict(train.class_to_idx)
-    log(f"the test split's classes ({len(test_classes)}) are numbered as in the train split ({len(train_classes)} "
-        f"classes), matched by name")
+    log(f"the test split's {len(test_classes)} classes are numbered as the train split's {len(train_classes)}, by name")
     return train, test
 
 

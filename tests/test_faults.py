@@ -81,6 +81,17 @@ def test_val_classes_are_numbered_by_name_as_in_train(tmp_path):
         common.build_eval_splits(args)
 
 
+def test_an_evaluation_on_a_train_split_of_one_class_is_refused(tmp_path):
+    """An unlabelled layout (train/images/*.png) trains a self-supervised method, but every classifier
+    scores 100% on it: evaluating it is refused, not published as a perfect score."""
+    image_folder(tmp_path / "train", ["images"])
+    shutil.copytree(tmp_path / "train", tmp_path / "val")
+    args = Namespace(dataset="folder", data_path=str(tmp_path), holdout=0, skip_bad_images=False)
+    assert len(common.build_dataset(args)) == 4                     # training reads it
+    with pytest.raises(SystemExit, match="the train split has one class \\(images\\): any classifier scores 100%"):
+        common.build_eval_splits(args)
+
+
 def test_knn_on_a_val_split_with_fewer_classes_is_right(tmp_path):
     """val/ = copies of train/'s class-b images: their nearest train image is themselves (1-NN
     top-1 100%); numbered per split, val's b would be class 0 and score 0%."""
