@@ -453,7 +453,8 @@ def load_features(folder):
 def check_load_features_args(args):
     """--load_features holds features already: a model or data flag beside it would be silently unused."""
     scratch = argparse.ArgumentParser(add_help=False)
-    add_weights_args(scratch), add_eval_data_args(scratch)
+    add_weights_args(scratch)
+    add_eval_data_args(scratch)
     unused = [f"--{name}" for name, default in vars(scratch.parse_args([])).items() if getattr(args, name) != default]
     unused += ["--dump_features"] * bool(args.dump_features)
     if unused:
