@@ -106,6 +106,12 @@ CORRESPONDENCE_IMAGES = 500
 RAW_FIGURES = r"NN classifier result|top-10 accuracy|per-image entropy|K = \d+ \(ln K"
 
 
+# set by the driver from --data, --phase, --steps, --curve_every, --seeds and --work_dir (an --extra that set one
+# would train another split, dataset or budget than its log line names)
+DRIVER_FLAGS = {"--dataset", "--data_path", "--holdout", "--epochs", "--max_steps_per_epoch", "--saveckp_freq", "--seed",
+                "--output_dir"}
+
+
 def training_flags(row, steps, curve_every):
     backbone, _, own = METHOD_FLAGS[row]
     epochs = steps // STEPS_PER_EPOCH
@@ -400,6 +406,9 @@ def main():
     args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
+    if results.flags_set_by(args.extra, DRIVER_FLAGS):     # the line would name a data split or budget not trained
+        sys.exit(f"error: --extra cannot set {', '.join(sorted(DRIVER_FLAGS))}: --data, --phase, --steps, "
+                 f"--curve_every, --seeds and --work_dir do")
     check_budget(args.steps, args.curve_every)
     provenance.run_from_root(args, "work_dir", "data_dir", "log")
     rows = args.rows if args.rows is not None else [] if args.table else ROWS

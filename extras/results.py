@@ -325,6 +325,12 @@ def drloc_regime(records):
 RUN_PLACE_FLAGS = {"--holdout", "--seed", "--output_dir"}   # set by train_and_evaluate, not by a recipe
 
 
+def flags_set_by(extra, flags):
+    """Which of `flags` an --extra sets, abbreviated ones too (argparse reads --hold as --holdout)."""
+    words = [word.split("=")[0] for word in extra.split() if word.startswith("--") and len(word.split("=")[0]) > 2]
+    return sorted({flag for flag in flags for word in words if flag.startswith(word)})
+
+
 def logged_flags(record):
     """The training flags of a logged run, without those that train_and_evaluate adds itself."""
     words = record["train_command"].split()[2:]          # drop "python script.py"
@@ -456,7 +462,7 @@ def main():
     provenance.run_from_root(args, "work_dir", "log")
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
-    if RUN_PLACE_FLAGS & {word.split("=")[0] for word in args.extra.split()}:   # e.g. a test line trained with --holdout
+    if flags_set_by(args.extra, RUN_PLACE_FLAGS):        # e.g. a test line trained with --holdout
         sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, --seeds and --work_dir do")
     if args.runs:
         provenance.check_log_writable(args.log)

@@ -106,7 +106,8 @@ def test_the_drivers_read_a_relative_path_from_where_it_was_typed(tmp_path, monk
         assert args.log == str(tmp_path / "log.jsonl") and args.work_dir.startswith("runs/"), script
 
 
-@pytest.mark.parametrize("extra", ["--holdout 10000", "--epochs 2 --holdout=10000", "--seed 3", "--output_dir x"])
+@pytest.mark.parametrize("extra", ["--holdout 10000", "--epochs 2 --holdout=10000", "--seed 3", "--output_dir x",
+                                   "--hold 10000", "--see=3"])          # argparse reads an unambiguous prefix
 def test_results_extra_cannot_set_what_the_phase_and_seed_set(tmp_path, monkeypatch, extra):
     """A test line trained with --extra "--holdout ..." would be scored on validation images: refused before any run."""
     monkeypatch.setattr(results, "train_and_evaluate", lambda *a: pytest.fail("nothing may run"))
@@ -114,6 +115,20 @@ def test_results_extra_cannot_set_what_the_phase_and_seed_set(tmp_path, monkeypa
                                       f"--extra={extra}", "--log", str(tmp_path / "log.jsonl")])
     with pytest.raises(SystemExit, match="--extra cannot set --holdout, --output_dir, --seed: --phase, --seeds"):
         results.main()
+
+
+@pytest.mark.parametrize("extra", ["--holdout 0", "--hold=0", "--dataset synthetic", "--data_path x", "--epochs 16",
+                                   "--max_steps 100", "--saveckp_freq 1", "--seed 3"])
+def test_compare_extra_cannot_set_the_data_split_or_budget_its_line_names(tmp_path, monkeypatch, extra):
+    """A val line trained with --extra "--holdout 0" would be scored on its own training images, one with
+    "--epochs 16" would name 400 steps: refused before any run."""
+    monkeypatch.setattr(compare, "run_row", lambda *a: pytest.fail("nothing may run"))
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--rows", "vit_dino", "--phase", "val", "--variant", "v",
+                                      f"--extra={extra}", "--log", str(tmp_path / "log.jsonl")])
+    with pytest.raises(SystemExit, match="--extra cannot set --data_path, --dataset, --epochs, --holdout, "
+                                         "--max_steps_per_epoch, --output_dir, --saveckp_freq, --seed: --data, --phase"):
+        compare.main()
+    assert results.flags_set_by("--lr 0.001 --warmup_epochs 2 --epoch", compare.DRIVER_FLAGS) == ["--epochs"]
 
 
 @pytest.mark.parametrize("argv", [["results.py", "--runs", "dino", "--seeds", "0", "-1"],
