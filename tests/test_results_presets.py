@@ -129,6 +129,11 @@ def test_compare_extra_cannot_set_the_data_split_or_budget_its_line_names(tmp_pa
                                          "--max_steps_per_epoch, --output_dir, --saveckp_freq, --seed: --data, --phase"):
         compare.main()
     assert results.flags_set_by("--lr 0.001 --warmup_epochs 2 --epoch", compare.DRIVER_FLAGS) == ["--epochs"]
+    monkeypatch.setattr(quickstart, "run", lambda *a: pytest.fail("nothing may run"))
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--phase", "val", "--variant", "v", f"--extra={extra}",
+                                      "--log", str(tmp_path / "log.jsonl")])
+    with pytest.raises(SystemExit, match="--extra cannot set --[a-z_]+: its line would name another split"):
+        quickstart.main()
 
 
 @pytest.mark.parametrize("argv", [["results.py", "--runs", "dino", "--seeds", "0", "-1"],
