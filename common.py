@@ -1096,12 +1096,12 @@ RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_i
                  "save_every_iters", "precision", "precision_auto", "val_subset", "allow_changed_args"}
 
 
-def check_start_args(args):
-    """Refused before any data or model work: a warm-up longer than the run; a crop not tiled by whole tokens."""
+def check_start_args(args, stride=None):
+    """Refused before any data or model work: a warm-up longer than the run; crop flags (tokens: --arch's, or `stride` px)."""
     if args.warmup_epochs > args.epochs:
         die(f"--warmup_epochs {args.warmup_epochs} is longer than --epochs {args.epochs}; lower it")
     check_scale_range("--global_crops_scale", args.global_crops_scale)
-    sizes, stride = {"--global_crop_size": args.global_crop_size}, token_stride(args.arch, args.patch_size)
+    sizes, stride = {"--global_crop_size": args.global_crop_size}, stride or token_stride(args.arch, args.patch_size)
     if args.local_crops_number:
         check_scale_range("--local_crops_scale", args.local_crops_scale)
         sizes["--local_crop_size"] = args.local_crop_size

@@ -444,14 +444,11 @@ def main(args):
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":
-        dataset = common.build_dataset(args, train=True)
+        augment, dataset = multicrop(args), common.build_dataset(args, train=True)     # the flags before the data
         bad = [i for i in args.indices if not 0 <= i < len(dataset)]
         if bad:
             common.die(f"--indices {bad} outside the {len(dataset)} images of the train split")
-        augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
-                                               args.global_crop_size, args.local_crop_size)
-        return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size,
-                                  args.batched_crops), args)
+        return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size, args.batched_crops), args)
     image = load_image(args)
     def load(key):
         return eval_knn.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
@@ -464,17 +461,12 @@ def main(args):
         view = common.eval_transform(args.image_size, args.image_size)(image).to(device)
         picture = attention_picture(backbone, view, args.threshold, args.picture_size)
     else:
-        stride = common.token_stride(info["arch"], info["patch_size"])
-        for flag in ("global_crop_size", "local_crop_size"):
-            if getattr(args, flag) % stride:
-                common.die(f"--{flag} {getattr(args, flag)} is not a multiple of the token stride ({stride} px)")
+        augment = multicrop(args, {"arch": info["arch"], "patch_size": info["patch_size"]})
         if not 1 <= args.student_crop < 2 + args.local_crops_number:
             common.die(f"--student_crop {args.student_crop}: choose 1 (the other global crop) to "
                        f"{1 + args.local_crops_number} (the local crops)")
         same = args.random_init or info["method"] in ("random", "external")  # one network: teacher = student
         student = eval_knn.dense_backbone(model if same else load("student")[0]).to(device)
-        augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
-                                               args.global_crop_size, args.local_crop_size)
         with torch.random.fork_rng(devices=[]):
             seed = common.sample_seed(args.seed, 0, args.index)
             if args.batched_crops:
@@ -487,6 +479,14 @@ def main(args):
                                     [{k: v.to(device) for k, v in g.items()} for g in geometry],
                                     args.student_crop, args.picture_size)
     return save(picture, args)
+
+
+def multicrop(args, network=None):
+    """A training run's multi-crop, its flags refused as the run refuses them (tiled by `network`'s tokens, if any)."""
+    run = argparse.Namespace(**{**vars(args), "epochs": 0, "warmup_epochs": 0, **(network or {})})
+    common.check_start_args(run, stride=None if network else 1)
+    return common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
+                                        args.global_crop_size, args.local_crop_size)
 
 
 def save(picture, args):

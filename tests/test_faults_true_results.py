@@ -505,3 +505,18 @@ def test_eval_knn_dump_features_on_a_full_disk_is_one_line_and_leaves_no_part(tm
     eval_knn.check_dump_folder(tmp_path)         # the same command again: allowed, and it writes all four
     eval_knn.dump_features(tmp_path, tensors)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(eval_knn.FEATURE_FILES)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--global_crops_scale", "0.8", "0.2"], "--global_crops_scale 0.8 0.2 is reversed"),     # was torch's traceback
+    (["--local_crops_scale", "0.5", "0.1"], "--local_crops_scale 0.5 0.1 is reversed"),
+    (["--local_crop_size", "48"], "--local_crop_size 48 is larger than --global_crop_size 32")])
+def test_visualize_refuses_the_crop_flags_a_training_run_refuses(tmp_path, flags, said):
+    """crops and matchings draw what a training run would: flags the run refuses are refused, before any data."""
+    crops = ["crops", "--data_path", str(tmp_path / "missing"), "--global_crop_size", "32", "--local_crop_size", "16"]
+    matchings = ["matchings", "--random_init", "--arch", "vit_pico", "--patch_size", "8", "--dataset", "synthetic",
+                 "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16"]
+    for argv in (crops, matchings):
+        with pytest.raises(SystemExit, match=said):
+            visualize.main(parse(visualize, [*argv, *flags, "--output", str(tmp_path / "p.png")]))
+    assert not (tmp_path / "p.png").exists()
