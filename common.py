@@ -827,7 +827,7 @@ def build_eval_splits(args):
     if isinstance(getattr(test, "dataset", test), ImageFolderSafe):     # (a --holdout Subset's own folder)
         getattr(test, "dataset", test).substitute = False               # evaluated: unreadable images left out
     train_classes, test_classes = getattr(train, "classes", None), getattr(test, "classes", None)
-    if train_classes is not None and len(train_classes) < 2:      # e.g. an unlabelled layout, train/images/*.jpg
+    if train_classes is not None and len(train_classes) == 1:      # e.g. an unlabelled layout, train/images/*.jpg
         die(f"the train split has one class ({train_classes[0]}): any classifier scores 100%; give one sub-folder per class")
     if train_classes is None or test_classes is None or list(train_classes) == list(test_classes):
         return train, test

@@ -190,8 +190,8 @@ def main():
     provenance.run_from_root(args, "work_dir", "data_dir", "log")
     if args.steps <= 0 or args.steps % 50:
         sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
-    if results.flags_set_by(args.extra, compare.DRIVER_FLAGS):      # as compare.py: the line names what is set here
-        sys.exit(f"error: --extra cannot set {', '.join(results.flags_set_by(args.extra, compare.DRIVER_FLAGS))}: "
+    if driver_flags := results.flags_set_by(args.extra, compare.DRIVER_FLAGS):    # as compare.py: its line names them
+        sys.exit(f"error: --extra cannot set {', '.join(driver_flags)}: "
                  f"its line would name another split, dataset, budget or seed than it trained (use --data, --phase, --steps)")
     if not args.table:
         provenance.check_log_writable(args.log)
