@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
 import re
 import resource
 import sys
@@ -263,10 +264,29 @@ def run_row(row, args, seed):
 
 @contextlib.contextmanager
 def locked(log):
-    """The log, held by this process alone (processes of other seeds append to it or rewrite it)."""
-    with open(log, "a") as f:
+    """The log, held by this process alone (processes of other seeds append to it or rewrite it). A rewrite
+    (`rewrite_log`) replaces the file, so a process that waited on the old one takes the lock again on the new."""
+    while True:
+        f = open(log, "a")
         fcntl.flock(f, fcntl.LOCK_EX)      # released when f is closed
+        if os.fstat(f.fileno()).st_ino == os.stat(log).st_ino:
+            break
+        f.close()
+    with f:
         yield
+
+
+def rewrite_log(log, lines):
+    """Replace the log (held with `locked`) by `lines` atomically: a kill leaves the old log or the new, whole."""
+    tmp = Path(log).with_name(f".{Path(log).name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, log)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def kept_paths(out, args):
@@ -332,7 +352,7 @@ def add_evaluation(row, args, seed, kind):
                     r[total] = {**r.get(total, {}), **getattr(evaluate, total)}
                 r[f"{kind.split('_')[0]}_provenance"] = provenance.stamp(started)
                 lines[i] = json.dumps(r)
-        Path(args.log).write_text("\n".join(lines) + "\n")
+        rewrite_log(args.log, lines)
     return value
 
 

@@ -5,6 +5,8 @@ import importlib
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -413,6 +415,44 @@ def test_add_curve_evaluates_the_kept_checkpoints_of_the_logged_run_only(tmp_pat
     log.write_text("".join(json.dumps({k: v for k, v in r.items() if "utc" not in k}) + "\n" for r in after))
     with pytest.raises(SystemExit, match="has no times"):                 # a line written before stamps
         compare.add_evaluation("vit_dino", args, 1, "curve")
+
+
+def test_compare_rewrites_its_log_whole_and_its_lock_still_excludes_after_a_rewrite(tmp_path, monkeypatch):
+    """add_evaluation rewrites the log under the lock that other seeds' processes append under: a kill mid-write
+    must leave the old log or the new, and a process that waited on the replaced file must not hold the lock
+    beside one that locks the new file (the later one's lines would be lost by the first one's rewrite)."""
+    log = tmp_path / "compare.jsonl"
+    log.write_text('{"a": 1}\n')
+    events = []
+
+    def hold(name, seconds):
+        with compare.locked(log):
+            events.append(f"{name} in")
+            time.sleep(seconds)
+            events.append(f"{name} out")
+
+    waiter = threading.Thread(target=hold, args=("waiter", 1.0))
+    with compare.locked(log):
+        waiter.start()
+        time.sleep(0.5)                                   # it waits on the lock of the file about to be replaced
+        compare.rewrite_log(log, ['{"a": 3}'])
+    for _ in range(300):
+        if events:
+            break
+        time.sleep(0.01)
+    late = threading.Thread(target=hold, args=("late", 0))
+    late.start()
+    waiter.join(30)
+    late.join(30)
+    assert events == ["waiter in", "waiter out", "late in", "late out"]
+    assert log.read_text() == '{"a": 3}\n' and [p.name for p in tmp_path.iterdir()] == [log.name]
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(compare.os, "fsync", full_disk)
+    with compare.locked(log), pytest.raises(OSError):
+        compare.rewrite_log(log, ['{"c": 4}'])
+    assert log.read_text() == '{"a": 3}\n' and [p.name for p in tmp_path.iterdir()] == [log.name]
 
 
 def test_a_test_row_that_never_ran_on_validation_says_so():
