@@ -51,10 +51,7 @@ second datasets only check that settings chosen on Fashion-MNIST's validation sp
 they run the test phase only.
 """
 import argparse
-import contextlib
-import fcntl
 import json
-import os
 import re
 import resource
 import sys
@@ -262,33 +259,6 @@ def run_row(row, args, seed):
     return finished(record, evaluate, started)
 
 
-@contextlib.contextmanager
-def locked(log):
-    """The log, held by this process alone (processes of other seeds append to it or rewrite it). A rewrite
-    (`rewrite_log`) replaces the file, so a process that waited on the old one takes the lock again on the new."""
-    while True:
-        f = open(log, "a")
-        fcntl.flock(f, fcntl.LOCK_EX)      # released when f is closed
-        if os.fstat(f.fileno()).st_ino == os.stat(log).st_ino:
-            break
-        f.close()
-    with f:
-        yield
-
-
-def rewrite_log(log, lines):
-    """Replace the log (held with `locked`) by `lines` atomically: a kill leaves the old log or the new, whole."""
-    tmp = Path(log).with_name(f".{Path(log).name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write("\n".join(lines) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, log)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def kept_paths(out, args):
     """{step: the checkpoint a training keeps there}, every --curve_every steps before its last."""
     every = args.curve_every // STEPS_PER_EPOCH
@@ -341,7 +311,7 @@ def add_evaluation(row, args, seed, kind):
     evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
     value = (evaluate.linear(weights, random_init=row in RANDOM_ROWS) if kind == "linear_top1"
              else curve_points(evaluate, kept_paths(out, args)))
-    with locked(args.log):
+    with provenance.locked(args.log):
         lines = Path(args.log).read_text().splitlines()
         for i, line in enumerate(lines):
             r = json.loads(line) if line.strip() else {}
@@ -352,7 +322,7 @@ def add_evaluation(row, args, seed, kind):
                     r[total] = {**r.get(total, {}), **getattr(evaluate, total)}
                 r[f"{kind.split('_')[0]}_provenance"] = provenance.stamp(started)
                 lines[i] = json.dumps(r)
-        rewrite_log(args.log, lines)
+        provenance.rewrite_log(args.log, lines)
     return value
 
 
@@ -458,7 +428,7 @@ def main():
             record = run_row(row, args, seed)
             if args.extra:
                 record["extra"] = args.extra
-            with locked(args.log), open(args.log, "a") as f:
+            with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN {record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")

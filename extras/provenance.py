@@ -13,10 +13,14 @@ extras/results.py and extras/quickstart.py; not a script).
   `build_model` after `--seed`), written as a checkpoint that eval_knn.py reads.
 - `run(cmd, log_path)`: a command of a logged piece of work, its output kept; a SIGTERM to the
   driver is passed on to it (a training writes its checkpoint), so that none is left running.
+- `locked(log)`, `rewrite_log(log, lines)`: a log held by one process at a time (the drivers of several
+  seeds append to one log), and replaced whole when a line of it changes.
 - `read_log(path)`: a log's records, or one line and a non-zero exit when the log is missing, not
   a file, empty, or not JSON lines (a generator must not write tables from nothing).
 """
+import contextlib
 import datetime
+import fcntl
 import functools
 import hashlib
 import importlib
@@ -235,6 +239,33 @@ def check_log_writable(path, what="--log"):
         sys.exit(f"error: {what} {path} cannot be written ({reason}); nothing was run")
     if path.is_file() and path.stat().st_size:      # a cut line (a killed append) would swallow the next record
         read_log(path, what=what)
+
+
+@contextlib.contextmanager
+def locked(log):
+    """The log, held by this process alone (processes of other seeds append to it or rewrite it). A rewrite
+    (`rewrite_log`) replaces the file, so a process that waited on the old one takes the lock again on the new."""
+    while True:
+        f = open(log, "a")
+        fcntl.flock(f, fcntl.LOCK_EX)      # released when f is closed
+        if os.fstat(f.fileno()).st_ino == os.stat(log).st_ino:
+            break
+        f.close()
+    with f:
+        yield
+
+
+def rewrite_log(log, lines):
+    """Replace the log (held with `locked`) by `lines` atomically: a kill leaves the old log or the new, whole."""
+    tmp = Path(log).with_name(f".{Path(log).name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, log)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_log(path, required=(), what="--log"):

@@ -204,7 +204,7 @@ def main():
         if "fashion_mnist_8k" in (job.data, job.eval_data):
             compare.write_fashion_mnist_8k(job.data_dir)
         record = run(job)
-        with compare.locked(job.log), open(job.log, "a") as f:
+        with provenance.locked(job.log), open(job.log, "a") as f:
             f.write(json.dumps(record) + "\n")
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: 20-NN "
               f"{record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%", flush=True)

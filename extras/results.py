@@ -476,7 +476,7 @@ def main():
                 print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir)
-            with open(args.log, "a") as f:
+            with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             baseline = f" (random init {record['random_init_top1']:.2f}%)" if "random_init_top1" in record else ""
             took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"

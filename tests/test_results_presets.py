@@ -426,16 +426,16 @@ def test_compare_rewrites_its_log_whole_and_its_lock_still_excludes_after_a_rewr
     events = []
 
     def hold(name, seconds):
-        with compare.locked(log):
+        with provenance.locked(log):
             events.append(f"{name} in")
             time.sleep(seconds)
             events.append(f"{name} out")
 
     waiter = threading.Thread(target=hold, args=("waiter", 1.0))
-    with compare.locked(log):
+    with provenance.locked(log):
         waiter.start()
         time.sleep(0.5)                                   # it waits on the lock of the file about to be replaced
-        compare.rewrite_log(log, ['{"a": 3}'])
+        provenance.rewrite_log(log, ['{"a": 3}'])
     for _ in range(300):
         if events:
             break
@@ -449,9 +449,9 @@ def test_compare_rewrites_its_log_whole_and_its_lock_still_excludes_after_a_rewr
 
     def full_disk(fd):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(compare.os, "fsync", full_disk)
-    with compare.locked(log), pytest.raises(OSError):
-        compare.rewrite_log(log, ['{"c": 4}'])
+    monkeypatch.setattr(provenance.os, "fsync", full_disk)
+    with provenance.locked(log), pytest.raises(OSError):
+        provenance.rewrite_log(log, ['{"c": 4}'])
     assert log.read_text() == '{"a": 3}\n' and [p.name for p in tmp_path.iterdir()] == [log.name]
 
 
