@@ -169,6 +169,7 @@ def run_part(part, rank, port, out):
     """The body of one process of a part: torchrun's environment, output to its log, the script's own
     entry point (`common.run_script`) with `train_one_epoch`'s loader clocked; never returns."""
     os.setpgid(0, 0)                                         # the parent ends the whole group on a timeout
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)            # not the parent's (below); the script sets its own
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(part.nproc), GROUP_RANK="0",
                       LOCAL_WORLD_SIZE=str(part.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **part.env)
     with open(out / f"{part.name}.rank{rank}.log", "w") as log:
@@ -428,10 +429,9 @@ def count_gpus():
     """torch.cuda.device_count() asked in a child: this process must not start CUDA before forking."""
     pid = os.fork()
     if pid == 0:
-        try:
+        with contextlib.suppress(BaseException):
             os._exit(min(torch.cuda.device_count(), 99))
-        finally:
-            os._exit(0)
+        os._exit(0)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
@@ -466,6 +466,7 @@ def main(argv=None):
     print(f"gpu_check: the {form} form, {f'{gpus} GPU(s)' if gpus else 'CPU'}, torch {torch.__version__}, {len(parts)} "
           f"parts; logs in {out}", flush=True)
     results, start = {}, time.time()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # kill, timeout: end the running part as Ctrl-C does
     try:
         for part in parts:
             missing = [n for n in part.needs if n not in results or results[n][2] or any(results[n][0])]
@@ -476,7 +477,7 @@ def main(argv=None):
             print(f"{part.name}: exit status {results[part.name][0]} in {results[part.name][1]:.0f} s", flush=True)
     except KeyboardInterrupt:
         end(_running)
-        raise SystemExit(130) from None
+        raise SystemExit(f"gpu_check stopped (Ctrl-C or SIGTERM): the part running was ended; its logs are in {out}") from None
     steps, failed = {}, []
     print(f"\n{'part':23} {'exit':5} {'result':7} details")
     for part in parts:

@@ -5,8 +5,10 @@ keeps to the one host sync per step that docs/FIRST_GPU_RUN.md states."""
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -98,3 +100,30 @@ def test_cpu_form_every_part_passes_with_one_sync_per_step(tmp_path):
         assert abs(float(one) / float(two) - 1) < 1e-5
     assert re.search(r"grad scaler scale \d+", rows["dino_fp16"])
     assert result.stdout.rstrip().splitlines()[-1].startswith(f"{len(rows)} of {len(rows)} parts passed")
+
+
+def test_a_sigterm_to_the_check_ends_the_part_it_runs(tmp_path):
+    """The parts run in their own process groups (a timeout ends a whole part): a SIGTERM to gpu_check alone
+    (kill, `timeout`) must end them too, not leave a training running, orphaned, on the GPU."""
+    out = tmp_path / "out"
+    check = subprocess.Popen([sys.executable, "extras/gpu_check.py", "--device", "cpu", "--out", str(out), "--parts",
+                              "dino"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for _ in range(1200):
+        if (out / "dino.rank0.log").exists() or check.poll() is not None:
+            break
+        time.sleep(0.05)
+    check.send_signal(signal.SIGTERM)
+    _, err = check.communicate(timeout=60)
+
+    def part_processes():       # forked from the check: the same command line, naming --out
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                found += [proc.name] * (str(out) in (proc / "cmdline").read_text())
+            except OSError:
+                pass
+        return found
+    time.sleep(0.5)
+    assert part_processes() == [] and check.returncode != 0
+    assert err.strip().splitlines()[-1].startswith("gpu_check stopped (Ctrl-C or SIGTERM): the part running was ended")
