@@ -305,7 +305,7 @@ class DRLoc(nn.Module):
 def build_model(args, num_classes):
     """Backbone + classifier, and DRLoc heads sized from one forward of a blank image (with
     --lambda_drloc 0, none: the plain supervised baseline, initialised identically)."""
-    backbone = common.backbone_from_args(args, args.drop_path_rate,
+    backbone = common.backbone_from_args(args, args.drop_path_rate, img_size=args.input_size,
                                          layer_norm_eps=1e-5 if args.arch.startswith("swin") else 1e-6)
     heads = []
     if args.lambda_drloc:
@@ -441,9 +441,8 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
             outputs = model(images, generator=pair_generator(args.seed, epoch, it))
             losses = criterion(outputs, labels, lambda_drloc)
         loss = losses["loss"]
-        stats, preempted = common.step_sync(losses, epoch, args, lambda: {   # one host sync; stops on NaN
-            "model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-            "drloc_loss": criterion.state_dict()})
+        stats, preempted = common.average_step_stats(losses)  # the step's one host sync
+        common.check_finite(stats, epoch, args, model, None, optimizer, criterion)  # Part C
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -462,7 +461,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
 
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
         if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
-            save_all(model, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
+            save_checkpoints(model, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: float(v) / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -498,14 +497,16 @@ def validate(model, loader, device, args):
 # ================================================================================================
 # main
 # ================================================================================================
+@common.one_line_exits  # Part C
 def main(args):
     device = common.init_distributed(args.device)
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed + common.get_rank())   # as Swin's code: Mixup / CutMix and drop path draw per process
     check_args(args)
-    common.claim_output_dir(args.output_dir)           # refused while another run uses it
-    ckpt = common.checkpoint_to_resume(args, "drloc")  # or None: a fresh start
+    common.claim_output_dir(args.output_dir, "drloc.py")  # Part C
+    ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
+    common.check_resumed_args(ckpt, args, "drloc", run_only=["val_subset"])  # Part C
     if ckpt is None and args.pretrained and not Path(args.pretrained).is_file():     # before any data or model work
         common.die(f"--pretrained {args.pretrained} is not a file")
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
@@ -551,33 +552,34 @@ def main(args):
     }
 
     # ---- resume from output_dir/checkpoint.pth when it exists
-    start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
+    ckpt_path = Path(args.output_dir) / "checkpoint.pth"
+    common.check_resumed_dataset(ckpt, dataset, args)  # Part C
+    start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
         common.restore(ckpt, model=model, optimizer=optimizer, scaler=scaler, drloc_loss=criterion)
-        start_epoch, start_step = common.resume_position(ckpt, dataset, args)
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
-    common.save_args(args)                              # every start-up check passed
+    common.save_args(args, "drloc.py")                              # every start-up check passed
     if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
         common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
-        save_all(model, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
+        save_checkpoints(model, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
         record.update(validate(model, val_loader, device, args))
-        save_all(model, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
-        common.append_log(args.output_dir, record)
+        common.append_log(args.output_dir, record)  # before the checkpoint
+        save_checkpoints(model, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; backbone for evaluation: {Path(args.output_dir) / 'backbone.pth'}")
 
 
-def save_all(model, optimizer, scaler, criterion, epoch, step, args, dataset):
+def save_checkpoints(model, optimizer, scaler, criterion, epoch, step, args, dataset):
     """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every process takes
     part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy every
     saveckp_freq epochs and the backbone alone with timm key names (for eval_knn.py,

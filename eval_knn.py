@@ -41,8 +41,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp
-from timm.models.cait import ClassAttn
 
 import common
 
@@ -92,34 +90,6 @@ def check_eval_crop(crop, arch, patch_size, flag="--crop"):
     if common.ARCHS[arch]["family"] == "vit" and crop % patch_size:
         common.die(f"{flag} {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
             f"use e.g. {max(patch_size, crop // patch_size * patch_size)}")
-
-
-class ClassAttentionPool(nn.Module):
-    """Class-attention pooling (CaiT without LayerScale), with the key names of SelfPatch's aggregation
-    module: a learned query attends over [query; tokens] in each block, then a LayerNorm. Rebuilds
-    the image token of a checkpoint whose backbone record says "ca_head" (selfpatch.py trains it;
-    tests/test_selfpatch.py checks that the two agree). Initialised as selfpatch.py does."""
-
-    def __init__(self, dim, num_heads, num_blocks=2):
-        super().__init__()
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.cls_blocks = nn.ModuleList(nn.ModuleDict(dict(
-            norm1=nn.LayerNorm(dim, eps=1e-6), attn=ClassAttn(dim, num_heads, qkv_bias=True),
-            norm2=nn.LayerNorm(dim, eps=1e-6), mlp=Mlp(dim, 4 * dim))) for _ in range(num_blocks))
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-
-    def forward(self, tokens):
-        """tokens [B, T, C] -> the image token [B, C]."""
-        query = self.cls_token.expand(len(tokens), -1, -1)
-        for block in self.cls_blocks:
-            query = query + block.attn(block.norm1(torch.cat([query, tokens], dim=1)))
-            query = query + block.mlp(block.norm2(query))
-        return self.norm(query[:, 0])
 
 
 class PooledViT(nn.Module):
@@ -241,7 +211,7 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
 
     backbone = common.build_backbone(**build, drop_path_rate=0.0)
     if record.get("image_token") == "ca_head":  # SelfPatch: the aggregation module's image token
-        model = PooledViT(backbone, ClassAttentionPool(backbone.num_features, backbone.blocks[0].attn.num_heads))
+        model = PooledViT(backbone, common.ClassAttentionPool(backbone.num_features, backbone.blocks[0].attn.num_heads))
         if not random_init:
             state = {k: v for k, v in state.items() if k.startswith(("backbone.", "ca_head."))}  # not the heads
             common.load_state_dict_strict(model, state, what=f"{method} {checkpoint_key} backbone and aggregation module")
@@ -468,6 +438,7 @@ def check_nb_knn(nb_knn, n_train):
                    f"pass smaller values, e.g. --nb_knn {min(20, n_train)}")
 
 
+@common.one_line_exits  # Part C
 def main(args):
     """Returns {k: (top1, top5)} on the main process, None on the others."""
     device = common.init_distributed(args.device)

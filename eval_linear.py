@@ -38,7 +38,6 @@ Where this file differs from the authors' eval_linear.py:
     holds another script's run (a pretraining folder) is refused, so that no run's files are overwritten.
 """
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -312,34 +311,25 @@ def count_labels(dataset, args):
 
 def check_own_folder(args):
     """eval_linear.py writes args.json, log.txt and linear_checkpoint.pth into --output_dir: never
-    into a folder that holds another script's run (a training run's checkpoint.pth, or an
-    args.json with arguments this script does not take)."""
+    into a training run's folder (its checkpoint.pth; `common.claim_output_dir` refuses a folder
+    whose args.json names another script)."""
     folder = Path(args.output_dir)
-    advice = f"give the linear probe its own --output_dir, e.g. {folder / 'linear'}"
     if (folder / "checkpoint.pth").exists():
-        common.die(f"--output_dir {folder} holds a training run (checkpoint.pth), whose args.json and log.txt "
-                   f"eval_linear.py would overwrite; {advice}")
-    if (folder / "args.json").is_file():
-        try:
-            recorded = json.loads((folder / "args.json").read_text())
-        except (OSError, ValueError):
-            recorded = None
-        foreign = sorted(set(recorded) - set(vars(args))) if isinstance(recorded, dict) else ["?"]
-        if foreign:
-            common.die(f"--output_dir {folder} holds another script's run (its args.json has --{foreign[0]}, which "
-                       f"eval_linear.py does not take); {advice}")
+        common.die(f"--output_dir {folder} holds a training run (checkpoint.pth), whose args.json "
+                   f"and log.txt eval_linear.py would overwrite; give the probe its own folder")
 
 
 # ================================================================================================
 # main
 # ================================================================================================
+@common.one_line_exits  # Part C
 def main(args):
     """Returns the best validation top-1 (%)."""
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     args.world_size = common.get_world_size()        # recorded: with --batch_size_per_gpu, the total batch and lr
     check_own_folder(args)
-    common.claim_output_dir(args.output_dir, checkpoint="linear_checkpoint.pth")   # refused while another run uses it
+    common.claim_output_dir(args.output_dir, "eval_linear.py", "linear_checkpoint.pth")  # Part C
 
     # ---- frozen backbone; the linear probe's input size from one dry run
     model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
@@ -397,7 +387,7 @@ def main(args):
         start_epoch, best_top1, validated = ckpt["epoch"], ckpt["best_top1"], ckpt.get("validated", {})
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far {best_top1:.2f}%)")
 
-    common.save_args(args)                              # every start-up check passed
+    common.save_args(args, "eval_linear.py")                              # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         for group in optimizer.param_groups:
             group["lr"] = float(lr_schedule[epoch])

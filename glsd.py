@@ -317,9 +317,8 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, step, geometry)  # float32: outside autocast
         loss = losses["loss"]
-        stats, preempted = common.step_sync(losses, epoch, args, lambda: {   # one host sync; stops on NaN
-            "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
-            "optimizer": optimizer.state_dict(), "glsd_loss": criterion.state_dict()})
+        stats, preempted = common.average_step_stats(losses)  # the step's one host sync
+        common.check_finite(stats, epoch, args, student, teacher, optimizer, criterion)  # Part C
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -341,7 +340,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
 
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
         if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
-            save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
+            save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -353,14 +352,16 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
 # ================================================================================================
 # main
 # ================================================================================================
+@common.one_line_exits  # Part C
 def main(args):
     device = common.init_distributed(args.device)
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.check_start_args(args)
-    common.claim_output_dir(args.output_dir)           # refused while another run uses it
-    ckpt = common.checkpoint_to_resume(args, "glsd")  # or None: a fresh start
+    common.check_start_args(args)  # Part C
+    common.claim_output_dir(args.output_dir, "glsd.py")  # Part C
+    ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
+    common.check_resumed_args(ckpt, args, "glsd")  # Part C
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -401,32 +402,33 @@ def main(args):
     }
 
     # ---- resume from output_dir/checkpoint.pth when it exists
-    start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
+    ckpt_path = Path(args.output_dir) / "checkpoint.pth"
+    common.check_resumed_dataset(ckpt, dataset, args)  # Part C
+    start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, glsd_loss=criterion)
-        start_epoch, start_step = common.resume_position(ckpt, dataset, args)
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
-    common.save_args(args)                              # every start-up check passed
+    common.save_args(args, "glsd.py")                              # every start-up check passed
     if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
         common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
-        save_all(student, teacher, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
+        save_checkpoints(student, teacher, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
-        save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
-        common.append_log(args.output_dir, record)
+        common.append_log(args.output_dir, record)  # before the checkpoint
+        save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; teacher backbone for evaluation: {Path(args.output_dir) / 'teacher_backbone.pth'}")
 
 
-def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args, dataset):
+def save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, step, args, dataset):
     """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every process takes
     part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy every
     saveckp_freq epochs and the teacher backbone alone with timm key names (for eval_knn.py,

@@ -74,8 +74,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp
-from timm.models.cait import ClassAttn
 
 import common
 
@@ -252,46 +250,10 @@ def select_positives(tokens, neighbors, valid, k):
 # ================================================================================================
 # Model: ViT without CLS token + aggregation module + image and patch heads over all crops
 # ================================================================================================
-class ClassAttentionBlock(nn.Module):
-    """CaiT's class-attention block without LayerScale: the query attends over [query; tokens] and
-    only it is updated (timm's modules carry the SelfPatch authors' submodule names)."""
-
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, eps=1e-6):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = ClassAttn(dim, num_heads, qkv_bias=True)
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
-
-    def forward(self, query, tokens):
-        """query [M, 1, C], tokens [M, T, C] -> the updated query [M, 1, C]."""
-        query = query + self.attn(self.norm1(torch.cat([query, tokens], dim=1)))
-        return query + self.mlp(self.norm2(query))
-
-
-class AggregationModule(nn.Module):
-    """The authors' `SelfPatchHead`, with their key names: a learned query, two class-attention blocks
-    and a final LayerNorm. Summarises a set of tokens into one: all patches of an image (the image
-    token), or the positives of one patch. (eval_knn.py's `ClassAttentionPool` rebuilds the image
-    token from a checkpoint; tests/test_selfpatch.py checks that the two agree.)"""
-
-    def __init__(self, dim, num_heads, num_blocks=2):
-        super().__init__()
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))       # the learned query (authors' name)
-        self.cls_blocks = nn.ModuleList(ClassAttentionBlock(dim, num_heads) for _ in range(num_blocks))
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-
-    def summarize(self, tokens):
-        """tokens [M, T, C] -> [M, C], before the final LayerNorm."""
-        query = self.cls_token.expand(len(tokens), -1, -1)
-        for block in self.cls_blocks:
-            query = block(query, tokens)
-        return query[:, 0]
+class AggregationModule(common.ClassAttentionPool):
+    """The authors' `SelfPatchHead` (`common.ClassAttentionPool`: a learned query, two
+    class-attention blocks, a final LayerNorm) over a set of tokens: all patches of an image (the
+    image token), or the positives of one patch."""
 
     def forward(self, tokens, positives=None):
         """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs are the
@@ -388,9 +350,8 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, step)  # float32: outside autocast
         loss = losses["loss"]
-        stats, preempted = common.step_sync(losses, epoch, args, lambda: {   # one host sync; stops on NaN
-            "student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
-            "optimizer": optimizer.state_dict(), "selfpatch_loss": criterion.state_dict()})
+        stats, preempted = common.average_step_stats(losses)  # the step's one host sync
+        common.check_finite(stats, epoch, args, student, teacher, optimizer, criterion)  # Part C
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -413,7 +374,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
 
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
         if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
-            save_all(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
+            save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -425,15 +386,17 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
 # ================================================================================================
 # main
 # ================================================================================================
+@common.one_line_exits  # Part C
 def main(args):
     device = common.init_distributed(args.device)
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.check_start_args(args)
+    common.check_start_args(args)  # Part C
     check_args(args)
-    common.claim_output_dir(args.output_dir)           # refused while another run uses it
-    ckpt = common.checkpoint_to_resume(args, "selfpatch")  # or None: a fresh start
+    common.claim_output_dir(args.output_dir, "selfpatch.py")  # Part C
+    ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
+    common.check_resumed_args(ckpt, args, "selfpatch")  # Part C
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
@@ -475,32 +438,33 @@ def main(args):
     }
 
     # ---- resume from output_dir/checkpoint.pth when it exists
-    start_epoch, start_step, ckpt_path = 0, 0, Path(args.output_dir) / "checkpoint.pth"
+    ckpt_path = Path(args.output_dir) / "checkpoint.pth"
+    common.check_resumed_dataset(ckpt, dataset, args)  # Part C
+    start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, selfpatch_loss=criterion)
-        start_epoch, start_step = common.resume_position(ckpt, dataset, args)
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
-    common.save_args(args)                              # every start-up check passed
+    common.save_args(args, "selfpatch.py")                              # every start-up check passed
     if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
         common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
-        save_all(student, teacher, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
+        save_checkpoints(student, teacher, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
         record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
                                  args, device)
         start_step = 0
-        save_all(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
-        common.append_log(args.output_dir, record)
+        common.append_log(args.output_dir, record)  # before the checkpoint
+        save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; teacher for evaluation (its image token): {Path(args.output_dir) / 'checkpoint.pth'}")
 
 
-def save_all(student, teacher, optimizer, scaler, criterion, epoch, step, args, dataset):
+def save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, step, args, dataset):
     """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every process takes
     part: each one's RNG state is saved; eval_knn.py and eval_linear.py read its teacher). At an
     epoch boundary (step 0) also a copy every saveckp_freq epochs and the teacher backbone alone

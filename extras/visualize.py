@@ -470,7 +470,7 @@ def main(args):
         with torch.random.fork_rng(devices=[]):
             seed = common.sample_seed(args.seed, 0, args.index)
             if args.batched_crops:
-                crops, geometry = augment.batch(pil_to_tensor(image.convert("RGB"))[None], [seed])
+                crops, geometry = common.batched_multicrop(augment, [pil_to_tensor(image.convert("RGB"))], [seed])
                 crops, geometry = [c[0] for c in crops], [{k: v[0] for k, v in g.items()} for g in geometry]
             else:
                 torch.manual_seed(seed)

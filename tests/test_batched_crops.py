@@ -75,7 +75,7 @@ def test_batched_draws_consume_the_generator_as_the_pil_path():
         after_pil = torch.get_rng_state()
         torch.manual_seed(seed)
         for _, scale, photometric in augment.plan():
-            augment.draw_crop(28, 28, scale, photometric)
+            common.draw_crop(28, 28, scale, photometric)
         assert torch.equal(torch.get_rng_state(), after_pil), seed
 
 
@@ -138,14 +138,23 @@ def test_the_loader_gives_the_same_batches_and_leaves_the_global_generator_alone
         assert all((levels(a) - levels(b)).abs().mean() < 1.0 for a, b in zip(pil_crops, crops))
 
 
-def test_batched_crops_need_images_of_one_size():
+def test_batched_crops_take_images_of_any_size():
+    """Each image is cropped on its own: in a batch of two sizes every sample gets the PIL path's
+    geometry (its box, flip and image size)."""
     class TwoSizes(ColourImages):
         def __getitem__(self, i):
             image, label = super().__getitem__(i)
-            return (image.resize((20, 20)) if i == 1 else image), label
-    dataset = common.SeededDataset(TwoSizes(3), augmentation(), batched=True)
-    with pytest.raises(SystemExit, match="--batched_crops needs images of one size"):
-        dataset.__getitems__([0, 1, 2])
+            return (image.resize((20, 36)) if i == 1 else image), label
+    batched = common.SeededDataset(TwoSizes(3), augmentation(), batched=True)
+    plain = common.SeededDataset(TwoSizes(3), augmentation())
+    (crops, geometry), _ = batched.__getitems__([0, 1, 2])
+    for i in range(3):
+        pil_crops, pil_geometry = plain[i][0]
+        for view, pil_view, crop, pil_crop in zip(geometry, pil_geometry, crops, pil_crops):
+            assert torch.allclose(view["box"][i], pil_view["box"])
+            assert bool(view["flip"][i]) == bool(pil_view["flip"])
+            assert torch.equal(view["image_size"][i], pil_view["image_size"])
+            assert crop[i].shape == pil_crop.shape
 
 
 def test_cpu_bf16_attention_is_the_explicit_one_and_agrees_with_the_fused_one(monkeypatch):

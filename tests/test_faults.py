@@ -256,15 +256,14 @@ def test_eval_linear_refuses_a_training_folder_and_writes_nothing_on_failure(tmp
     training = tmp_path / "dino_run"
     training.mkdir()
     (training / "checkpoint.pth").write_bytes(b"weights")
-    (training / "args.json").write_text('{"local_crops_number": 8}')
+    (training / "args.json").write_text('{"script": "dino.py", "local_crops_number": 8}')
     data = ["--dataset", "synthetic", "--synthetic_images", "16", "--synthetic_image_size", "32"]
     r = run_here("eval_linear.py", *EVAL, *data, "--output_dir", str(training))
     one_line_error(r, f"--output_dir {training} holds a training run (checkpoint.pth)")
     (training / "checkpoint.pth").unlink()
-    import eval_linear
-    with pytest.raises(SystemExit, match="holds another script's run \\(its args.json has --local_crops_number"):
-        eval_linear.check_own_folder(eval_linear.get_args_parser().parse_args(["--output_dir", str(training)]))
-    assert (training / "args.json").read_text() == '{"local_crops_number": 8}' and not (training / "log.txt").exists()
+    r = run_here("eval_linear.py", *EVAL, *data, "--output_dir", str(training))
+    one_line_error(r, f"--output_dir {training} holds a run of dino.py: give eval_linear.py its own")
+    assert '"dino.py"' in (training / "args.json").read_text() and not (training / "log.txt").exists()
     fresh = tmp_path / "probe"
     r = run_here("eval_linear.py", "--pretrained_weights", str(tmp_path / "missing.pth"), *data, "--output_dir",
                  str(fresh))
@@ -274,16 +273,17 @@ def test_eval_linear_refuses_a_training_folder_and_writes_nothing_on_failure(tmp
 
 @pytest.mark.parametrize("script", ["dino.py", "esvit.py", "glsd.py", "selfpatch.py", "drloc.py"])
 def test_training_refuses_a_linear_probes_folder(tmp_path, script):
-    """The other way round: a training script overwrote the probe's args.json and appended to its log.txt."""
+    """The other way round: a training script overwrote the probe's args.json and appended to its
+    log.txt. args.json records the script that wrote the folder."""
     probe = tmp_path / "linear"
     probe.mkdir()
-    for name, content in ("linear_checkpoint.pth", "probe"), ("args.json", '{"n_last_blocks": 4}'), ("log.txt", "{}\n"):
+    args_json = '{"script": "eval_linear.py", "n_last_blocks": 4}'
+    for name, content in ("linear_checkpoint.pth", "probe"), ("args.json", args_json), ("log.txt", "{}\n"):
         (probe / name).write_text(content)
     r = run_here(script, "--output_dir", str(probe), "--dataset", "synthetic")
-    one_line_error(r, f"--output_dir {probe} holds a linear probe (linear_checkpoint.pth), whose args.json and log.txt "
-                      f"{script} would overwrite")
-    assert sorted(os.listdir(probe)) == ["args.json", "linear_checkpoint.pth", "log.txt"]
-    assert (probe / "args.json").read_text() == '{"n_last_blocks": 4}' and (probe / "log.txt").read_text() == "{}\n"
+    one_line_error(r, f"--output_dir {probe} holds a run of eval_linear.py: give {script} its own")
+    assert sorted(os.listdir(probe)) == [".lock", "args.json", "linear_checkpoint.pth", "log.txt"]
+    assert (probe / "args.json").read_text() == args_json and (probe / "log.txt").read_text() == "{}\n"
 
 
 @pytest.mark.parametrize("script", ["dino.py", "esvit.py", "glsd.py", "selfpatch.py", "drloc.py"])

@@ -10,6 +10,10 @@ no import circles, the top level is exactly the design card's, tests/ holds only
 data, and every file fits its line budget (read in one sitting)."""
 import ast
 import fnmatch
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,12 +106,66 @@ def test_tests_folder_holds_the_suite_and_its_data_only():
     assert not others, f"tests/ holds more than the suite and its data: {sorted(others)}"
 
 
-LINE_BUDGET = {"common.py": 1500, **{f"{m}.py": 600 for m in METHODS | EVALUATION}}
+LINE_BUDGET = {"common.py": 1500, **{f"{m}.py": 650 for m in METHODS | EVALUATION}}
+PART_A_BUDGET = 450
+WIDTH = 100
+
+
+def python_files():
+    return [*ROOT.glob("*.py"), *(ROOT / "extras").rglob("*.py")]
 
 
 def test_line_budget():
-    """A forker copies one method file and common.py: both stay small enough to read in one sitting."""
+    """A forker copies one method file and common.py: both stay small enough to read in one
+    sitting, at the width rule (a budget is met by moving or deleting code, never by packing)."""
     sizes = {name: len((ROOT / name).read_text().splitlines()) for name in LINE_BUDGET}
-    sizes.update({f"extras/{p.name}": len(p.read_text().splitlines()) for p in (ROOT / "extras").glob("*.py")})
+    for path in (ROOT / "extras").rglob("*.py"):
+        sizes[str(path.relative_to(ROOT))] = len(path.read_text().splitlines())
     over = {name: n for name, n in sizes.items() if n > LINE_BUDGET.get(name, 500)}
-    assert not over, f"over the line budget (common.py 1500, method and evaluation files 600, extras/ 500): {over}"
+    assert not over, f"over the line budget (common.py 1500, the others 650, extras/ 500): {over}"
+
+
+def test_common_reads_part_a_then_b_then_c_and_part_a_fits_its_budget():
+    lines = (ROOT / "common.py").read_text().splitlines()
+    fences = [i for i, line in enumerate(lines) if line.startswith("# ######## PART ")]
+    assert [lines[i].split(".")[0][-1] for i in fences] == ["A", "B", "C"]
+    speed = next(i for i, line in enumerate(lines) if line.startswith("# ======== Speed only"))
+    assert fences[0] < speed < fences[1], "the speed-only code stands between Part A and Part B"
+    assert speed - fences[0] <= PART_A_BUDGET, f"Part A has {speed - fences[0]} lines"
+
+
+def test_the_width_rule():
+    """No line over 100 columns, no one-line `def`, in the top-level files and extras/."""
+    wide, one_line = [], []
+    for path in python_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{number}"
+            if len(line) > WIDTH:
+                wide.append(where)
+            if re.match(r"\s*def \w+\(.*\):\s*[^\s#]", line):
+                one_line.append(where)
+    assert not wide, f"{len(wide)} lines over {WIDTH} columns: {wide[:10]}"
+    assert not one_line, f"one-line defs: {one_line}"
+
+
+def test_a_fork_without_part_c_trains_and_resumes(tmp_path):
+    """Part C (safety checks) is cut in one piece: common.py without it, dino.py without the lines
+    marked `# Part C`, still trains two steps and resumes."""
+    common_src = (ROOT / "common.py").read_text()
+    (tmp_path / "common.py").write_text(common_src[:common_src.index("# ######## PART C.")])
+    marked = [line for line in (ROOT / "dino.py").read_text().splitlines() if "# Part C" in line]
+    kept = [line for line in (ROOT / "dino.py").read_text().splitlines() if "# Part C" not in line]
+    (tmp_path / "dino.py").write_text("\n".join(kept) + "\n")
+    assert len(marked) >= 6
+    flags = ["--arch", "vit_pico", "--patch_size", "8", "--out_dim", "32", "--head_hidden_dim", "32",
+             "--head_bottleneck_dim", "16", "--dataset", "synthetic", "--synthetic_images", "8",
+             "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16",
+             "--local_crops_number", "2", "--batch_size_per_gpu", "4", "--num_workers", "0",
+             "--warmup_epochs", "0", "--device", "cpu", "--precision", "fp32",
+             "--output_dir", str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for epochs in ("1", "2"):
+        r = subprocess.run([sys.executable, "dino.py", *flags, "--epochs", epochs], cwd=tmp_path,
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in r.stdout and (tmp_path / "out" / "teacher_backbone.pth").exists()
