@@ -727,7 +727,8 @@ def read_idx(path):
         shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(data[3])]
         return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * data[3]).reshape(shape)
     except (OSError, EOFError, ValueError) as e:  # missing, truncated, not gzipped, not IDX
-        die(f"cannot read {path}: {e}; (re)install dataset-fashion-mnist")
+        die(f"cannot read {path}: {e}; (re)install dataset-fashion-mnist (apt-get) or give "
+            f"--data_path its 4 files")
 
 
 class FashionMNIST(torch.utils.data.Dataset):
@@ -834,7 +835,8 @@ def named_dataset(args, train):
     path = getattr(args, "data_path", None)
     if name == "synthetic":
         if path:  # drawn, not read: a folder beside it would be silently unused
-            die(f"--dataset synthetic draws its images; --data_path {path} would be ignored")
+            die(f"--dataset synthetic draws its images; --data_path {path} would be ignored: "
+                f"drop it (or --dataset folder)")
         size = args.synthetic_images if train else max(args.synthetic_images // 4, 10)
         return SyntheticShapes(size, args.synthetic_image_size, train=train,
                                seed=args.synthetic_seed)
@@ -842,6 +844,8 @@ def named_dataset(args, train):
         return FashionMNIST(path, train=train)
     if name in ("cifar10", "cifar100", "svhn"):
         return torchvision_dataset(name, path, train)
+    if name != "folder":
+        die(f"unknown --dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if not path:
         die("--data_path is required with --dataset folder (one sub-folder per class)")
     root = Path(path)
@@ -1579,7 +1583,8 @@ def check_start_args(args, stride=None):
     ignores, crop flags (sizes in tokens of --arch's stride, or of `stride` px)."""
     if args.warmup_epochs > args.epochs:
         die(f"--warmup_epochs {args.warmup_epochs} is longer than --epochs {args.epochs}")
-    check_arch_flags(args)
+    if stride is None:  # (a tool's crops without a network give their own stride)
+        check_arch_flags(args)
     check_scale_range("--global_crops_scale", args.global_crops_scale)
     sizes = {"--global_crop_size": args.global_crop_size}
     if args.local_crops_number:
@@ -1598,7 +1603,7 @@ def check_start_args(args, stride=None):
 def check_arch_flags(args):
     """A flag that --arch ignores would be in args.json as if it had been used."""
     vit = ARCHS[args.arch]["family"] == "vit"
-    if vit and (args.window_size != 7 or args.fit_window):
+    if vit and (getattr(args, "window_size", 7) != 7 or getattr(args, "fit_window", False)):
         die(f"{args.arch} would ignore --window_size and --fit_window (Swin flags): drop them")
     if not vit and args.patch_size != 16:
         die(f"{args.arch} would ignore --patch_size (a ViT flag; --arch sets Swin's): drop it")
@@ -1640,8 +1645,9 @@ def changed_args(recorded, args, ignored):
     """Each argument that differs from the `recorded` ones, as `--k old (now new)`."""
     old = json.loads(json.dumps(recorded, default=str))  # tuples as lists
     new = json.loads(json.dumps(vars(args), default=str))
-    return [f"--{k} {old[k]} (now {new[k]})" for k in sorted(old.keys() & new.keys())
-            if k not in ignored and old[k] != new[k]]
+    changed = [k for k in sorted(old.keys() & new.keys()) if k not in ignored and old[k] != new[k]]
+    return [f"{old[k]} processes (now {new[k]}: another total batch, and peak lr)"
+            if k == "world_size" else f"--{k} {old[k]} (now {new[k]})" for k in changed]
 
 
 def check_resumed_dataset(ckpt, dataset, args):
@@ -1649,7 +1655,8 @@ def check_resumed_dataset(ckpt, dataset, args):
     if ckpt is None or ckpt.get("dataset") in (None, dataset_record(dataset)):
         return
     old = ckpt["dataset"]["images"]
-    change = f"{old} images, now {len(dataset)}" if old != len(dataset) else "other files"
+    change = (f"{old} images, now {len(dataset)}" if old != len(dataset)
+              else f"{old} images as now, but other files or labels")
     if not args.allow_changed_args:
         die(f"{Path(args.output_dir) / 'checkpoint.pth'} was trained on another dataset "
             f"({change})")

@@ -57,7 +57,6 @@ def patch8_checkpoint(tmp_path_factory):
     """A one-step DINO run of a vit_pico with 8 px patches: its checkpoint.pth."""
     out = tmp_path_factory.mktemp("patch8")
     dino.main(parse(dino, [*TINY, "--patch_size", "8", "--output_dir", str(out)]))
-    common.release_output_dir()
     return out / "checkpoint.pth"
 
 
@@ -274,81 +273,81 @@ def test_a_killed_loader_worker_is_one_line_and_the_run_resumes(tmp_path):
 
 def test_a_dead_workers_error_starts_its_own_line_after_a_bar_cut_short(monkeypatch, capsys):
     """torch's SIGCHLD handler raises wherever the main process is: inside a progress bar's closing
-    it leaves the bar drawn without its newline (seen once in CI: `...0/6 [00:00<?, ?it/s]error: a data
-    loader worker ...`). The error must still start a line."""
+    it leaves the bar drawn without its newline (seen once in CI: `...0/6 [00:00<?, ?it/s]error: a
+    data loader worker ...`). The error must still start a line."""
     bar = tqdm.tqdm(range(6), desc="epoch 1")              # drawn at 0%, no newline
-    bar.disable = True                                      # closed, as a close cut short after its first step leaves it
+    bar.disable = True                                      # closed, as a close cut short leaves it
     tqdm.tqdm._instances.discard(bar)
 
     def main(args):
         raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
     previous = signal.getsignal(signal.SIGCHLD)
+    monkeypatch.setattr(common, "dead_loader_worker", lambda wait: "(pid 4242) was killed by SIGKILL")
     try:
-        monkeypatch.setattr(torch._C, "_error_if_any_worker_fails", lambda: None)
         with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\)"):
-            common.run_script(main, argparse.ArgumentParser(), argv=[])
+            common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
     finally:
         signal.signal(signal.SIGCHLD, previous)
     err = capsys.readouterr().err
     assert "0/6" in err and err.endswith("\n"), repr(err)
 
 
+class FakeWorker:
+    """A loader worker process as `multiprocessing` reports it (`exitcode`: -9 after SIGKILL)."""
+
+    def __init__(self, exitcode):
+        self.pid = 4242
+        self.exitcode = exitcode
+
+
 def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeypatch):
     """Killed while it hands a batch over, a worker leaves the main process a broken connection
-    (ConnectionResetError, seen on a loaded machine) instead of torch's RuntimeError: run_script asks
-    torch whether a loader worker died, and says so in the same line; without a dead worker the
-    error is not a loader's and stays as it is."""
+    (ConnectionResetError, seen on a loaded machine) instead of torch's RuntimeError: the exit is
+    told by the workers' exit codes (no text of torch's, no private torch function); without a
+    dead worker the error is not a loader's and keeps its traceback."""
     def main(args):
         raise ConnectionResetError(104, "Connection reset by peer")
-
-    def dead_worker():
-        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
     previous = signal.getsignal(signal.SIGCHLD)
     try:
-        monkeypatch.setattr(torch._C, "_error_if_any_worker_fails", dead_worker)
-        with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\) is killed by signal: Killed "
-                                             r"\(most likely the kernel's out-of-memory killer"):
-            common.run_script(main, argparse.ArgumentParser(), argv=[])
-        monkeypatch.setattr(torch._C, "_error_if_any_worker_fails", lambda: None)
+        monkeypatch.setattr(common, "_loader_workers", [FakeWorker(None), FakeWorker(-9)])
+        with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\) was killed by "
+                                             r"SIGKILL \(most likely the kernel's out-of-memory killer"):
+            common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
+        monkeypatch.setattr(common, "_loader_workers", [FakeWorker(None)])
         with pytest.raises(ConnectionResetError):
-            common.run_script(main, argparse.ArgumentParser(), argv=[])
+            common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
     finally:
         signal.signal(signal.SIGCHLD, previous)
 
 
 @pytest.mark.parametrize("error, reason", [
-    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"),
-     "Tried to allocate 2.00 GiB"),
-    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
-                  "tried to allocate 549772591232 bytes. Error code 12 (Cannot allocate memory)"),
-     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 549772591232 bytes"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                            "capacity of 79.19 GiB"),
+     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"),
     (MemoryError("Unable to allocate 74.5 GiB for an array with shape (100000, 100000, 1)"),
      "Unable to allocate 74.5 GiB for an array with shape (100000, 100000, 1)"),
-    (RuntimeError("Caught MemoryError in DataLoader worker process 0.\nnumpy._core._exceptions._ArrayMemoryError: "
-                  "Unable to allocate 74.5 GiB for an array"), "Unable to allocate 74.5 GiB for an array"),
-    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
-     "CUDA error: out of memory"),
     (MemoryError(), "MemoryError")])
 def test_out_of_memory_is_one_line_naming_the_batch(error, reason):
-    """A batch, crop or image too large for the GPU or the CPU's memory (torch's CUDA and CPU allocators, numpy
-    drawing a synthetic image, the same in a loader worker) stops with one line: what could not be allocated and
-    which flags to lower, not a traceback from inside torch."""
+    """A batch, crop or image too large for the GPU (torch.OutOfMemoryError) or the CPU's memory
+    (MemoryError, e.g. numpy drawing a synthetic image) stops with one line: what could not be
+    allocated and which flags to lower, not a traceback from inside torch."""
     def main(args):
         raise error
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch_size_per_gpu", type=int, default=64)
     with pytest.raises(SystemExit) as stop:
-        common.run_script(main, parser, argv=[])
-    assert stop.value.code == (f"error: out of memory ({reason}); lower --batch_size_per_gpu (now 64) or the crop "
-                               f"and image sizes")
+        common.run_script(common.one_line_exits(main), parser, argv=[])
+    assert stop.value.code == (f"error: out of memory ({reason}); lower --batch_size_per_gpu (now 64) "
+                               f"or the crop and image sizes")
 
 
 def test_an_error_that_is_not_memory_keeps_its_traceback():
-    """Only an allocation failure becomes the memory line: another RuntimeError from torch is raised as it is."""
+    """Only an allocation failure becomes the memory line: another RuntimeError from torch is raised
+    as it is (its text is never read)."""
     def main(args):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        common.run_script(main, argparse.ArgumentParser(), argv=[])
+        common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
 
 
 # ------------------------------------------------------------------------------------------------

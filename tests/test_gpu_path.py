@@ -189,22 +189,27 @@ def test_torchrun_environment_gives_a_process_group_of_one_process(monkeypatch):
 
 
 def test_one_all_reduce_and_one_read_per_step_and_the_debug_file_awaited(tmp_path, monkeypatch):
-    """`step_sync` averages the step's statistics over the processes and reports a preemption signal of
-    any process; on a non-finite loss rank 0 writes checkpoint_nonfinite.pth and only then does every
-    process pass a barrier and exit (one that left first made torchrun stop rank 0 in mid-write), as
-    after a preemption's checkpoint. In a one-process gloo group."""
+    """`average_step_stats` averages the step's statistics over the processes and reports a
+    preemption signal of any process; on a non-finite loss `check_finite` has rank 0 write
+    checkpoint_nonfinite.pth and only then does every process pass a barrier and exit (one that
+    left first made torchrun stop rank 0 in mid-write), as after a preemption's checkpoint. In a
+    one-process gloo group."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     order, args = [], argparse.Namespace(output_dir=str(tmp_path), clip_grad=3.0)
     monkeypatch.setattr(common, "save_checkpoint", lambda state, path: order.append(f"save {path.name}"))
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: order.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: order.append("destroy"))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         losses = {"loss": torch.tensor(2.5), "part": torch.tensor(0.25)}
-        assert common.step_sync(losses, 0, args, dict) == ({"loss": 2.5, "part": 0.25}, False)
+        assert common.average_step_stats(losses) == ({"loss": 2.5, "part": 0.25}, False)
         monkeypatch.setattr(common, "_preemption_signal", "SIGTERM")
-        assert common.step_sync(losses, 0, args, dict)[1] is True
+        assert common.average_step_stats(losses)[1] is True
+        stats, _ = common.average_step_stats({"loss": torch.tensor(float("nan"))})
+        common.check_finite({"loss": 2.5}, 0, args, model, model, optimizer, model)   # finite: no-op
         with pytest.raises(SystemExit) as stop:
-            common.step_sync({"loss": torch.tensor(float("nan"))}, 0, args, dict)
+            common.check_finite(stats, 0, args, model, model, optimizer, model)
         assert stop.value.code == 1 and order == ["save checkpoint_nonfinite.pth", "barrier"]
         with pytest.raises(SystemExit):
             common.exit_after_preemption(tmp_path)
@@ -216,15 +221,11 @@ def test_one_all_reduce_and_one_read_per_step_and_the_debug_file_awaited(tmp_pat
 
 @pytest.mark.parametrize("junk", [b"[1, 2]", b"null", b"42", b"\xff\xfe{", b'{"pid": "x"'])
 def test_a_malformed_lock_is_taken_over_not_a_traceback_before_the_others_hear(tmp_path, junk):
-    """Rank 0 reads the .lock of --output_dir before the all-gather that tells the other processes whether
-    the folder is theirs: a lock holding valid JSON that is not an object failed there with a traceback
-    (AttributeError) and left the others waiting. Any junk is a lock nobody holds: taken over."""
+    """Rank 0 reads the .lock of --output_dir before the all-gather that tells the other processes
+    whether the folder is theirs: any junk in it is a lock nobody holds, taken over."""
     (tmp_path / ".lock").write_bytes(junk)
-    try:
-        common.claim_output_dir(tmp_path)
-        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
-    finally:
-        common.release_output_dir()
+    common.claim_output_dir(tmp_path, "dino.py")
+    assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on host")
 
 
 def test_bench_applies_the_authors_cuda_settings_as_training_does(monkeypatch):
