@@ -63,7 +63,8 @@ draw itself is the authors' pair of randint calls);
 the lr warms up from 5e-7 x batch / 512 and then follows `common.cosine_scheduler` over the
 remaining iterations (the Swin code's timm scheduler runs its cosine over all iterations, warmup
 included, and their loop updates the lr after each step, so their step s uses the schedule's value
-at s - 1: the warm-up start twice; tests/test_trajectories.py shows both facts); `--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
+at s - 1: the warm-up start twice; tests/test_trajectories.py shows both facts);
+`--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
 """
 import argparse
 import math
@@ -92,48 +93,68 @@ def get_args_parser():
 
     g = p.add_argument_group("DRLoc loss")
     g.add_argument("--lambda_drloc", default=0.5, type=common.NONNEGATIVE,
-                   help="weight of L_drloc: 0.5 for Swin, 0.1 for T2T/CvT-like models; 0 = plain supervised baseline")
-    g.add_argument("--lambda_schedule", default="warmup_decay", choices=["warmup_decay", "constant"],
-                   help="warmup_decay (the authors' code): linear 0 -> lambda over --lambda_warmup_epochs, then "
-                        "linear decay towards 0 at the last epoch; constant: the paper's text")
-    g.add_argument("--lambda_warmup_epochs", default=20, type=common.COUNT, help="epochs of lambda warmup (warmup_decay)")
+                   help="weight of L_drloc: 0.5 for Swin, 0.1 for T2T/CvT-like models; 0 = plain "
+                        "supervised baseline")
+    g.add_argument("--lambda_schedule", default="warmup_decay",
+                   choices=["warmup_decay", "constant"],
+                   help="warmup_decay (the authors' code): linear 0 -> lambda over "
+                        "--lambda_warmup_epochs, then linear decay towards 0 at the last epoch; "
+                        "constant: the paper's text")
+    g.add_argument("--lambda_warmup_epochs", default=20, type=common.COUNT,
+                   help="epochs of lambda warmup (warmup_decay)")
     g.add_argument("--drloc_mode", default="l1", choices=["l1", "ce", "reg", "all", "exh"],
-                   help="l1 (best in the paper), ce (classify offsets), reg (Gaussian-prior regression, Eq. 6), all "
-                        "(one l1 head per Swin stage; worse than the baseline in the paper), exh (every token once "
-                        "with a random partner, m = k^2)")
+                   help="l1 (best in the paper), ce (classify offsets), reg (Gaussian-prior "
+                        "regression, Eq. 6), all (one l1 head per Swin stage; below the baseline "
+                        "in the paper), exh (every token once with a random partner, m = k^2)")
     g.add_argument("--drloc_targets", default="abs", choices=["abs", "signed"],
-                   help="abs |Delta| (the published recipe) or signed Delta + k - 1 (the paper's L*, worse)")
+                   help="abs |Delta| (the published recipe) or signed Delta + k - 1 (the paper's "
+                        "L*, worse)")
     g.add_argument("--drloc_pairs", default=64, type=common.POSITIVE_INT,
-                   help="m, pairs sampled per image (the paper: 64 beats 32, 128 and 256 on CIFAR-100)")
+                   help="m, pairs sampled per image (the paper: 64 beats 32, 128 and 256 on "
+                        "CIFAR-100)")
     g.add_argument("--drloc_normalize", default=False, type=common.bool_flag,
-                   help="normalised targets in [0, 1] (l1 modes only) instead of the code's integer offsets: "
-                        "divided by k-1 (abs) or 2(k-1) (signed), and so is the loss; retune --lambda_drloc")
+                   help="normalised targets in [0, 1] (l1 modes only) instead of the code's "
+                        "integer offsets: divided by k-1 (abs) or 2(k-1) (signed), and so is the "
+                        "loss; retune --lambda_drloc")
 
     g = p.add_argument_group("supervised training")
     g.add_argument("--input_size", default=224, type=common.POSITIVE_INT,
-                   help="image side in pixels; the paper resizes every dataset to 224 (Swin: 7 x 7 final grid)")
+                   help="image side in pixels; the paper resizes every dataset to 224 (Swin: "
+                        "7 x 7 final grid)")
     g.add_argument("--pretrained", default="", type=str,
-                   help="backbone weights to fine-tune from (timm or official Swin keys); the paper gives no "
-                        "fine-tuning lr and the authors' script has one recipe: the defaults apply")
-    g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", type=str, help="timm RandAugment policy ('' = none)")
-    g.add_argument("--reprob", default=0.25, type=common.FRACTION, help="random erasing probability")
-    g.add_argument("--mixup", default=0.8, type=common.NONNEGATIVE, help="mixup alpha (0 with --cutmix 0 = no mixing)")
+                   help="backbone weights to fine-tune from (timm or official Swin keys); the "
+                        "paper gives no fine-tuning lr and the authors' script has one recipe: the "
+                        "defaults apply")
+    g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", type=str,
+                   help="timm RandAugment policy ('' = none)")
+    g.add_argument("--reprob", default=0.25, type=common.FRACTION,
+                   help="random erasing probability")
+    g.add_argument("--mixup", default=0.8, type=common.NONNEGATIVE,
+                   help="mixup alpha (0 with --cutmix 0 = no mixing)")
     g.add_argument("--cutmix", default=1.0, type=common.NONNEGATIVE, help="cutmix alpha")
     g.add_argument("--smoothing", default=0.1, type=common.FRACTION, help="label smoothing")
-    g.add_argument("--train_subset", default=0, type=common.COUNT, help="train on the first N images only (0 = all)")
-    g.add_argument("--val_subset", default=0, type=common.COUNT, help="validate on the first N images only (0 = all)")
+    g.add_argument("--train_subset", default=0, type=common.COUNT,
+                   help="train on the first N images only (0 = all)")
+    g.add_argument("--val_subset", default=0, type=common.COUNT,
+                   help="validate on the first N images only (0 = all)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=128, type=common.POSITIVE_INT,
                    help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT, help="training epochs (the paper's from-scratch and fine-tuning runs: 100)")
-    g.add_argument("--lr", default=5e-4, type=common.NONNEGATIVE, help="peak lr at total batch 512 (linear scaling)")
-    g.add_argument("--warmup_lr", default=5e-7, type=common.NONNEGATIVE, help="lr at the first step, at total batch 512")
-    g.add_argument("--min_lr", default=5e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine, at total batch 512")
-    g.add_argument("--warmup_epochs", default=20, type=common.COUNT, help="linear lr warmup (from scratch 20, fine-tuning 10)")
+    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT,
+                   help="training epochs (the paper's from-scratch and fine-tuning runs: 100)")
+    g.add_argument("--lr", default=5e-4, type=common.NONNEGATIVE,
+                   help="peak lr at total batch 512 (linear scaling)")
+    g.add_argument("--warmup_lr", default=5e-7, type=common.NONNEGATIVE,
+                   help="lr at the first step, at total batch 512")
+    g.add_argument("--min_lr", default=5e-6, type=common.NONNEGATIVE,
+                   help="lr at the end of the cosine, at total batch 512")
+    g.add_argument("--warmup_epochs", default=20, type=common.COUNT,
+                   help="linear lr warmup (from scratch 20, fine-tuning 10)")
     g.add_argument("--weight_decay", default=0.05, type=common.NONNEGATIVE,
                    help="AdamW weight decay (not on biases, norms and position tables)")
-    g.add_argument("--clip_grad", default=5.0, type=common.NONNEGATIVE, help="global gradient-norm clip (0 = off)")
+    g.add_argument("--clip_grad", default=5.0, type=common.NONNEGATIVE,
+                   help="global gradient-norm clip (0 = off)")
 
     common.add_data_args(p)
     common.add_run_args(p, saveckp_freq=20)
@@ -147,7 +168,8 @@ def sample_pairs(batch, k, m, generator=None):
     """m pairs per image, both positions uniform over the k x k grid, drawn independently with
     replacement (self-pairs allowed): pos_a, pos_b [B, m, 2] as (row, col). Two randint calls on a
     CPU generator, as the authors' code (on the same generator state, the very same pairs)."""
-    return torch.randint(k, (batch, m, 2), generator=generator), torch.randint(k, (batch, m, 2), generator=generator)
+    return (torch.randint(k, (batch, m, 2), generator=generator),
+            torch.randint(k, (batch, m, 2), generator=generator))
 
 
 def exhaustive_pairs(batch, k, generator=None):
@@ -182,7 +204,9 @@ class DRLocLoss(nn.Module):
     def __init__(self, mode="l1", signed=False, normalize=False, smoothing=0.1):
         super().__init__()
         self.criterion = mode if mode in ("ce", "reg") else "l1"     # "all" and "exh" are l1 losses
-        self.signed, self.normalize, self.smoothing = signed, normalize, smoothing
+        self.signed = signed
+        self.normalize = normalize
+        self.smoothing = smoothing
         self.soft_cross_entropy = SoftTargetCrossEntropy()
 
     def forward(self, outputs, labels, lambda_drloc):
@@ -193,7 +217,8 @@ class DRLocLoss(nn.Module):
             loss_ce = F.cross_entropy(logits, labels, label_smoothing=self.smoothing)
         loss_drloc = logits.new_zeros(())
         for head in outputs["drloc"]:
-            target = relative_targets(head["pos_a"], head["pos_b"], head["k"], self.signed, self.normalize)
+            target = relative_targets(head["pos_a"], head["pos_b"], head["k"], self.signed,
+                                      self.normalize)
             target = target.to(logits.device, non_blocking=True)
             loss_drloc = loss_drloc + self.localization_loss(head["pred"].float(), target)
         return {"loss": loss_ce + lambda_drloc * loss_drloc, "L_ce": loss_ce, "L_drloc": loss_drloc}
@@ -221,13 +246,15 @@ class LocalizationMLP(nn.Module):
 
     def __init__(self, in_dim, classes=None):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(2 * in_dim, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                                 nn.Linear(512, 512 if classes else 2))
-        self.axis_heads = nn.ModuleList([nn.Linear(512, classes) for _ in range(2)]) if classes else None
+        self.mlp = nn.Sequential(nn.Linear(2 * in_dim, 512), nn.ReLU(), nn.Linear(512, 512),
+                                 nn.ReLU(), nn.Linear(512, 512 if classes else 2))
+        self.axis_heads = (nn.ModuleList([nn.Linear(512, classes) for _ in range(2)])
+                           if classes else None)
 
     def forward(self, pairs):
         h = self.mlp(pairs)
-        return h if self.axis_heads is None else torch.stack([head(h) for head in self.axis_heads], dim=-1)
+        return (h if self.axis_heads is None
+                else torch.stack([head(h) for head in self.axis_heads], dim=-1))
 
 
 def swin_init(module):
@@ -241,10 +268,12 @@ def swin_init(module):
 
 
 def gather_pairs(grid, pos_a, pos_b):
-    """cat(e_a, e_b) [B, m, 2D] for the (row, col) positions pos_a, pos_b [B, m, 2] of grid [B, h, w, D]."""
+    """cat(e_a, e_b) [B, m, 2D] for the (row, col) positions pos_a, pos_b [B, m, 2] of grid
+    [B, h, w, D]."""
     b = torch.arange(len(grid), device=grid.device)[:, None]
-    pos_a, pos_b = pos_a.to(grid.device, non_blocking=True), pos_b.to(grid.device, non_blocking=True)
-    return torch.cat([grid[b, pos_a[..., 0], pos_a[..., 1]], grid[b, pos_b[..., 0], pos_b[..., 1]]], dim=-1)
+    pos_a, pos_b = (p.to(grid.device, non_blocking=True) for p in (pos_a, pos_b))
+    return torch.cat([grid[b, pos_a[..., 0], pos_a[..., 1]],
+                      grid[b, pos_b[..., 0], pos_b[..., 1]]], dim=-1)
 
 
 class DRLoc(nn.Module):
@@ -257,17 +286,22 @@ class DRLoc(nn.Module):
 
     def __init__(self, backbone, num_classes, mode="l1", pairs=64, heads=()):
         super().__init__()
-        self.backbone, self.mode, self.pairs = backbone, mode, pairs
-        self.pool = None if isinstance(backbone, common.Swin) else nn.AvgPool2d(3, 2, 1, count_include_pad=False)
+        self.backbone = backbone
+        self.mode = mode
+        self.pairs = pairs
+        self.pool = (None if isinstance(backbone, common.Swin)
+                     else nn.AvgPool2d(3, 2, 1, count_include_pad=False))
         self.head = swin_init(nn.Linear(backbone.num_features, num_classes))
-        self.drloc = nn.ModuleList([swin_init(LocalizationMLP(dim, classes)) for dim, classes in heads])  # one per grid
+        self.drloc = nn.ModuleList([swin_init(LocalizationMLP(dim, classes))  # one per grid
+                                    for dim, classes in heads])
 
     def features(self, images):
         """Global feature [B, D] and the DRLoc grids [B, k, k, D] (taken before the final norm)."""
         if self.mode == "all":                           # every Swin stage, after its patch merging
-            x, grids = self.backbone.patch_embed(images), []
+            x = self.backbone.patch_embed(images)
+            grids = []
             for i, stage in enumerate(self.backbone.layers):
-                x = stage.downsample(x)                  # timm merges at the start of the next stage
+                x = stage.downsample(x)                  # timm merges at the next stage's start
                 if i > 0:
                     grids.append(x)
                 x = stage.blocks(x)
@@ -281,19 +315,21 @@ class DRLoc(nn.Module):
     def forward(self, images, positions=None, generator=None):
         feature, grids = self.features(images)
         outputs = {"logits": self.head(feature), "drloc": []}
-        if not self.training:                            # the pretext task exists at training time only
+        if not self.training:                            # the pretext task exists in training only
             return outputs
         for i, (grid, mlp) in enumerate(zip(grids, self.drloc)):
             k = grid.shape[1]
-            pos_a, pos_b = positions[i] if positions is not None else self.sample(len(grid), k, generator)
-            pred = mlp(gather_pairs(grid, pos_a, pos_b)).flatten(0, 1)      # image-major rows b*m + s
+            pos_a, pos_b = (positions[i] if positions is not None
+                            else self.sample(len(grid), k, generator))
+            pred = mlp(gather_pairs(grid, pos_a, pos_b)).flatten(0, 1)  # image-major rows b*m + s
             outputs["drloc"].append({"pred": pred, "pos_a": pos_a, "pos_b": pos_b, "k": k})
         return outputs
 
     def sample(self, batch, k, generator):
         """This process's pairs. The draw covers the batch of every process; the sampler deals a
         global batch out round robin (process r holds its images r, r + n, ...), so process r keeps
-        those rows: an image gets the pairs it would get in a single process with the whole batch."""
+        those rows: an image gets the pairs it would get in a single process with the whole
+        batch."""
         n, r = common.get_world_size(), common.get_rank()
         if self.mode == "exh":
             pos_a, pos_b = exhaustive_pairs(batch * n, k, generator)
@@ -305,8 +341,9 @@ class DRLoc(nn.Module):
 def build_model(args, num_classes):
     """Backbone + classifier, and DRLoc heads sized from one forward of a blank image (with
     --lambda_drloc 0, none: the plain supervised baseline, initialised identically)."""
+    eps = 1e-5 if args.arch.startswith("swin") else 1e-6
     backbone = common.backbone_from_args(args, args.drop_path_rate, img_size=args.input_size,
-                                         layer_norm_eps=1e-5 if args.arch.startswith("swin") else 1e-6)
+                                         layer_norm_eps=eps)
     heads = []
     if args.lambda_drloc:
         with torch.random.fork_rng(devices=[]), torch.no_grad():   # leaves the RNG as it was
@@ -315,11 +352,14 @@ def build_model(args, num_classes):
         backbone.train()
         sides = [g.shape[1] for g in grids]
         if min(sides) < 2:
-            common.die(f"DRLoc grid(s) {sides} at --input_size {args.input_size}: a grid needs at least 2 x 2 "
-                       f"tokens; raise --input_size (Swin: 224 px gives 7 x 7) or use --lambda_drloc 0")
-        common.log(f"DRLoc grid(s): {' + '.join(f'{k}x{k}x{g.shape[3]}' for k, g in zip(sides, grids))}")
-        classify = args.drloc_mode in ("ce", "reg")      # over k (abs) or 2k - 1 (signed) offsets per axis
-        heads = [(g.shape[3], (2 * k - 1 if args.drloc_targets == "signed" else k) if classify else None)
+            common.die(f"DRLoc grid(s) {sides} at --input_size {args.input_size}: a grid needs at "
+                       "least 2 x 2 tokens; raise --input_size (Swin: 224 px gives 7 x 7) or use "
+                       "--lambda_drloc 0")
+        common.log("DRLoc grid(s): "
+                   f"{' + '.join(f'{k}x{k}x{g.shape[3]}' for k, g in zip(sides, grids))}")
+        classify = args.drloc_mode in ("ce", "reg")  # k (abs) or 2k - 1 (signed) classes per axis
+        heads = [(g.shape[3],
+                  (2 * k - 1 if args.drloc_targets == "signed" else k) if classify else None)
                  for k, g in zip(sides, grids)]
     return DRLoc(backbone, num_classes, args.drloc_mode, args.drloc_pairs, heads)
 
@@ -346,10 +386,12 @@ def train_transform(args):
     """Swin's training augmentation, built by timm: RandomResizedCrop (bicubic) + flip + RandAugment
     + normalise + random erasing (all its draws are seeded per sample by common.SeededDataset)."""
     try:
-        transform = create_transform(args.input_size, is_training=True, color_jitter=0.4, auto_augment=args.aa or None,
-                                     interpolation="bicubic", re_prob=args.reprob, re_mode="pixel", re_count=1)
+        transform = create_transform(args.input_size, is_training=True, color_jitter=0.4,
+                                     auto_augment=args.aa or None, interpolation="bicubic",
+                                     re_prob=args.reprob, re_mode="pixel", re_count=1)
     except AssertionError as e:     # timm's check of the policy's name
-        common.die(f"--aa {args.aa!r}: {e}; give a timm policy, e.g. rand-m9-mstd0.5-inc1 (the default), or '' for none")
+        common.die(f"--aa {args.aa!r}: {e}; give a timm policy, e.g. rand-m9-mstd0.5-inc1 (the "
+                   "default), or '' for none")
     for t in transform.transforms:
         for op in getattr(t, "ops", ()):    # RandAugment's and AugMix's operations
             if op.name.startswith("Posterize"):
@@ -362,28 +404,33 @@ def posterize(img, bits_to_keep, **_):
     rejects; keeping 0 bits gives the black image that older Pillow returned."""
     if bits_to_keep >= 8:
         return img
-    return ImageOps.posterize(img, bits_to_keep) if bits_to_keep >= 1 else Image.new(img.mode, img.size)
+    return (ImageOps.posterize(img, bits_to_keep) if bits_to_keep >= 1
+            else Image.new(img.mode, img.size))
 
 
 def check_args(args):
     """One-line errors for flag combinations that cannot work."""
     if args.warmup_epochs > args.epochs:
         common.die(f"--warmup_epochs {args.warmup_epochs} exceeds --epochs {args.epochs}; lower it")
-    patch = args.patch_size if common.ARCHS[args.arch]["family"] == "vit" else common.ARCHS[args.arch].get("patch_size", 4)
-    if args.input_size % patch:           # before the backbone, whose own error would name a global crop
+    patch = (args.patch_size if common.ARCHS[args.arch]["family"] == "vit"
+             else common.ARCHS[args.arch].get("patch_size", 4))
+    if args.input_size % patch:  # before the backbone, whose own error would name a global crop
         common.die(f"--input_size {args.input_size} is not a multiple of the patch size {patch}")
     if args.drloc_mode == "all" and common.ARCHS[args.arch]["family"] != "swin":
         common.die("--drloc_mode all needs a Swin --arch (one DRLoc head per stage)")
     if args.drloc_normalize and args.drloc_mode in ("ce", "reg"):
-        common.die(f"--drloc_normalize applies to the l1 modes only; --drloc_mode {args.drloc_mode} classifies "
-                   f"integer offsets")
+        common.die("--drloc_normalize applies to the l1 modes only; --drloc_mode "
+                   f"{args.drloc_mode} classifies integer offsets")
     if args.drloc_targets == "signed" and args.drloc_mode in ("all", "exh"):
-        common.die(f"--drloc_mode {args.drloc_mode} is defined with abs targets; use --drloc_targets abs")
+        common.die(f"--drloc_mode {args.drloc_mode} is defined with abs targets; use "
+                   "--drloc_targets abs")
     if (args.mixup > 0 or args.cutmix > 0) and args.batch_size_per_gpu % 2:
-        common.die(f"mixup/cutmix need an even --batch_size_per_gpu (got {args.batch_size_per_gpu})")
-    if args.lambda_drloc and args.lambda_schedule == "warmup_decay" and args.lambda_warmup_epochs >= args.epochs:
-        common.log(f"warning: --lambda_warmup_epochs {args.lambda_warmup_epochs} >= --epochs {args.epochs}: "
-                   f"lambda never reaches {args.lambda_drloc}")
+        common.die("mixup/cutmix need an even --batch_size_per_gpu "
+                   f"(got {args.batch_size_per_gpu})")
+    if (args.lambda_drloc and args.lambda_schedule == "warmup_decay"
+            and args.lambda_warmup_epochs >= args.epochs):
+        common.log(f"warning: --lambda_warmup_epochs {args.lambda_warmup_epochs} >= --epochs "
+                   f"{args.epochs}: lambda never reaches {args.lambda_drloc}")
 
 
 def count_classes(dataset):
@@ -407,11 +454,13 @@ def load_pretrained(backbone, path):
     state = common.load_checkpoint(path)
     state = state.get("model", state) if isinstance(state, dict) else state
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        common.die(f"--pretrained {path} holds a {type(state).__name__}, not a network's weights (a state dict)")
+        common.die(f"--pretrained {path} holds a {type(state).__name__}, not a network's weights "
+                   "(a state dict)")
     if any(k.startswith("backbone.") for k in state):     # this file's checkpoint.pth
         state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
     family = swin_transformer if isinstance(backbone, common.Swin) else vision_transformer
-    state = family.checkpoint_filter_fn({k: v for k, v in state.items() if not k.startswith("drloc.")}, backbone)
+    state = {k: v for k, v in state.items() if not k.startswith("drloc.")}
+    state = family.checkpoint_filter_fn(state, backbone)
     state = {k: v for k, v in state.items() if not k.startswith("head")}
     common.load_state_dict_strict(backbone, state, what=f"--pretrained {path}")
     common.log(f"backbone initialised from {path}")
@@ -420,10 +469,13 @@ def load_pretrained(backbone, path):
 # ================================================================================================
 # One epoch
 # ================================================================================================
-def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch, start_step, args, device):
+def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch,
+                    start_step, args, device):
     model.train()
     n_steps = len(schedules["lr"]) // args.epochs
-    totals, start, images_seen = {}, time.time(), 0
+    totals = {}
+    start = time.time()
+    images_seen = 0
     lambda_drloc = float(schedules["lambda"][epoch])
     bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps - start_step)
     for it, (images, labels) in enumerate(bar, start=start_step):
@@ -451,17 +503,20 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
         scaler.step(optimizer)
         scaler.update()
 
-        stats.update(lr=lr, grad_norm=grad_norm.double(), lambda_drloc=lambda_drloc)   # summed on the device: read per epoch
-        del outputs, losses, loss, grad_norm               # not held through the next step's forward
+        # summed on the device: read per epoch
+        stats.update(lr=lr, grad_norm=grad_norm.double(), lambda_drloc=lambda_drloc)
+        del outputs, losses, loss, grad_norm  # not held through the next forward
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
         images_seen += len(images) * common.get_world_size()
-        bar.set_postfix(L_ce=f"{stats['L_ce']:.4f}", L_drloc=f"{stats['L_drloc']:.4f}", lam=f"{lambda_drloc:.3f}",
-                        lr=f"{lr:.2e}")
+        bar.set_postfix(L_ce=f"{stats['L_ce']:.4f}", L_drloc=f"{stats['L_drloc']:.4f}",
+                        lam=f"{lambda_drloc:.3f}", lr=f"{lr:.2e}")
 
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
-        if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
-            save_checkpoints(model, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
+        # a signal in any process; at the epoch's end main() saves
+        if (preempted or periodic) and it + 1 < n_steps:
+            save_checkpoints(model, optimizer, scaler, criterion,
+                             epoch, it + 1, args, loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: float(v) / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -472,24 +527,26 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
 
 @torch.no_grad()
 def validate(model, loader, device, args):
-    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how many images they
-    count: each once (the padding with which the sampler evens out the processes is left out), the
-    unreadable ones (--skip_bad_images: labelled SKIPPED) left out and counted."""
+    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how many images
+    they count: each once (the padding with which the sampler evens out the processes is left out),
+    the unreadable ones (--skip_bad_images: labelled SKIPPED) left out and counted."""
     model.eval()
-    counts = torch.zeros(4, device=device)              # correct@1, correct@5, images, unreadable images
+    counts = torch.zeros(4, device=device)  # correct@1, correct@5, images, unreadable images
     distinct = loader.sampler.distinct_samples()        # this process's rows that are not padding
     for images, labels in common.progress(loader, desc="validation"):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with common.autocast(device, args.precision):
             logits = model(images)["logits"]
-        top = (logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None])[:max(distinct, 0)]
-        read = (labels != common.ImageFolderSafe.SKIPPED)[:max(distinct, 0)]   # (its row is never correct)
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        top = (top5 == labels[:, None])[:max(distinct, 0)]
+        # an unreadable image (label SKIPPED): its row is never correct
+        read = (labels != common.ImageFolderSafe.SKIPPED)[:max(distinct, 0)]
         distinct -= len(labels)
         counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), read.sum(), (~read).sum()])
     correct1, correct5, n, unreadable = common.all_reduce_sum(counts).tolist()
     if not n:                                           # an accuracy over no image is none
-        common.die(f"none of the {int(unreadable)} validation images could be read (--skip_bad_images left them all "
-                   f"out): there is no accuracy to report")
+        common.die(f"none of the {int(unreadable)} validation images could be read "
+                   f"(--skip_bad_images left them all out): there is no accuracy to report")
     return {"val_acc1": 100 * correct1 / n, "val_acc5": 100 * correct5 / n, "val_images": int(n),
             "val_skipped_images": int(unreadable)}
 
@@ -502,31 +559,36 @@ def main(args):
     device = common.init_distributed(args.device)
     common.resolve_precision(args, device)
     common.install_preemption_handler()
-    common.fix_random_seeds(args.seed + common.get_rank())   # as Swin's code: Mixup / CutMix and drop path draw per process
+    # as Swin's code: Mixup / CutMix and drop path draw per process
+    common.fix_random_seeds(args.seed + common.get_rank())
     check_args(args)
     common.claim_output_dir(args.output_dir, "drloc.py")  # Part C
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
     common.check_resumed_args(ckpt, args, "drloc", run_only=["val_subset"])  # Part C
-    if ckpt is None and args.pretrained and not Path(args.pretrained).is_file():     # before any data or model work
+    # refused before any data or model work
+    if ckpt is None and args.pretrained and not Path(args.pretrained).is_file():
         common.die(f"--pretrained {args.pretrained} is not a file")
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's augmentation depends only on (seed, epoch, index)
-    train_base, val_base = common.build_eval_splits(args)     # val labels numbered as train's classes
+    train_base, val_base = common.build_eval_splits(args)  # val labels numbered as train's classes
     num_classes = count_classes(train_base)
     train_base = first(train_base, args.train_subset, "--train_subset")
     val_base = first(val_base, args.val_subset, "--val_subset")
     dataset = common.SeededDataset(train_base, train_transform(args), seed=args.seed)
-    val_transform = common.eval_transform(int(args.input_size * 256 / 224), args.input_size)  # resize 256/224, crop
+    # resize to 256/224 of the input size, centre crop
+    val_transform = common.eval_transform(int(args.input_size * 256 / 224), args.input_size)
     val_dataset = common.SeededDataset(val_base, val_transform)
-    loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers, train=True, seed=args.seed)
-    val_loader, _ = common.make_loader(val_dataset, args.batch_size_per_gpu, args.num_workers, train=False)
+    loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
+                                         train=True, seed=args.seed)
+    val_loader, _ = common.make_loader(val_dataset, args.batch_size_per_gpu, args.num_workers,
+                                       train=False)
     mixup = None
     if args.mixup > 0 or args.cutmix > 0:
-        mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
-                      num_classes=num_classes)
-    common.log(f"data: {len(dataset)} train / {len(val_dataset)} val images, {num_classes} classes, "
-               f"{len(loader)} steps per epoch")
+        mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
+                      label_smoothing=args.smoothing, num_classes=num_classes)
+    common.log(f"data: {len(dataset)} train / {len(val_dataset)} val images, {num_classes} "
+               f"classes, {len(loader)} steps per epoch")
 
     # ---- model: backbone + classifier + DRLoc head(s)
     model = build_model(args, num_classes).to(device)
@@ -535,20 +597,25 @@ def main(args):
     common.log(f"model: {args.arch} + {len(model.drloc)} DRLoc head(s), "
                f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     if common.is_dist():
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None)
 
     criterion = DRLocLoss(args.drloc_mode, args.drloc_targets == "signed", args.drloc_normalize,
                           args.smoothing).to(device)
-    optimizer = torch.optim.AdamW(common.get_params_groups(model, NO_WEIGHT_DECAY), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(common.get_params_groups(model, NO_WEIGHT_DECAY),
+                                  weight_decay=args.weight_decay)
     scaler = common.make_grad_scaler(device, args.precision)
 
     # ---- schedules: lr per iteration (scaled linearly with the total batch), lambda per epoch
-    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
+    n_steps = (len(loader) if not args.max_steps_per_epoch
+               else min(len(loader), args.max_steps_per_epoch))
     scale = args.batch_size_per_gpu * common.get_world_size() / 512
     schedules = {
-        "lr": common.cosine_scheduler(args.lr * scale, args.min_lr * scale, args.epochs, n_steps, args.warmup_epochs,
+        "lr": common.cosine_scheduler(args.lr * scale, args.min_lr * scale, args.epochs, n_steps,
+                                      args.warmup_epochs,
                                       start_warmup_value=args.warmup_lr * scale),
-        "lambda": lambda_schedule(args.lambda_drloc, args.epochs, args.lambda_warmup_epochs, args.lambda_schedule),
+        "lambda": lambda_schedule(args.lambda_drloc, args.epochs, args.lambda_warmup_epochs,
+                                  args.lambda_schedule),
     }
 
     # ---- resume from output_dir/checkpoint.pth when it exists
@@ -560,34 +627,37 @@ def main(args):
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
-    common.save_args(args, "drloc.py")                              # every start-up check passed
-    if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
+    common.save_args(args, "drloc.py")  # every start-up check passed
+    if start_epoch == args.epochs:  # --epochs lowered to those trained: a finished run's files
         common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
         save_checkpoints(model, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        record = train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules, epoch, start_step,
-                                 args, device)
+        sampler.set_epoch(epoch, start_batch=start_step)  # mid-epoch resume: skips seen batches
+        record = train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedules,
+                                 epoch, start_step, args, device)
         start_step = 0
         record.update(validate(model, val_loader, device, args))
-        record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
+        record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)  # all ranks
         common.append_log(args.output_dir, record)  # before the checkpoint
         save_checkpoints(model, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
-        common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
+        common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in record.items()))
+        if any(common.all_gather_objects(common.preemption_requested(device))):  # any signal
             common.exit_after_preemption(args.output_dir)
     common.log(f"done; backbone for evaluation: {Path(args.output_dir) / 'backbone.pth'}")
 
 
 def save_checkpoints(model, optimizer, scaler, criterion, epoch, step, args, dataset):
-    """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every process takes
-    part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy every
-    saveckp_freq epochs and the backbone alone with timm key names (for eval_knn.py,
+    """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every
+    process takes part: each one's RNG state is saved). At an epoch boundary (step 0) also a copy
+    every saveckp_freq epochs and the backbone alone with timm key names (for eval_knn.py,
     eval_linear.py and timm)."""
     state = {"model": common.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-             "scaler": scaler.state_dict(), "drloc_loss": criterion.state_dict(), "epoch": epoch, "step": step,
-             "args": vars(args), "method": "drloc", "backbone": common.backbone_record(common.unwrap(model).backbone),
-             "dataset": common.dataset_record(dataset), "rng": common.all_gather_objects(common.rng_state())}
+             "scaler": scaler.state_dict(), "drloc_loss": criterion.state_dict(), "epoch": epoch,
+             "step": step, "args": vars(args), "method": "drloc",
+             "backbone": common.backbone_record(common.unwrap(model).backbone),
+             "dataset": common.dataset_record(dataset),
+             "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)

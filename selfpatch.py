@@ -18,7 +18,8 @@ x_1..x_N; CA = class attention (only the query is updated), q = a learned query:
 
     image token     z   = CA2(CA1(q, {x_1..x_N}))
     student patch   s_i = LN(x_i)                       teacher patch   y_i = LN(CA2(CA1(q, P_i)))
-    P_i = top-k of the 8 cells of the 3x3 window around i by cos(x_i, x_j)   (teacher tokens, no gradient)
+    P_i = top-k of the 8 cells of the 3x3 window around i by cos(x_i, x_j)
+          (teacher tokens, no gradient)
 
 then a DINO head g (K = 65536) on LN(z) and a second DINO head h (K_p = 4096) on each patch.
 
@@ -27,11 +28,12 @@ N local), H(a, b) = -sum_k a_k log b_k:
 
     L_cls   = DINO's loss on g(LN(z)): the teacher's 2 global crops against every other crop,
               mean over the 2 |V| - 2 pairs
-    L_patch = 1 / |V| sum_{v in V} mean_{b, i} H(softmax((h_t(y_i^v) - c_p) / tau_t), softmax(h_s(s_i^v) / tau_s))
+    L_patch = 1 / |V| sum_{v in V} mean_{b, i} H(softmax((h_t(y_i^v) - c_p) / tau_t),
+                                                 softmax(h_s(s_i^v) / tau_s))
     L       = L_cls + 0.1 L_patch
 
     after the step  c   <- 0.9 c   + 0.1 mean over the teacher image logits of *all* crops
-                    c_p <- 0.9 c_p + 0.1 mean over the teacher patch logits of all patches of all crops
+                    c_p <- 0.9 c_p + 0.1 mean over the teacher patch logits (all patches, all crops)
 
 The student's patch outputs bypass the aggregation blocks, so the patch loss trains the backbone,
 the final LayerNorm and h; the query and the blocks learn through L_cls only (the teacher
@@ -63,8 +65,8 @@ Recipes (supplementary A):
   MS COCO train2017: ViT-Ti/16, 200 epochs, batch 256, 2 x 224 + 2 x 96 crops, K = K_p = 4096.
   Make a folder whose only sub-folder is train2017 (`mkdir coco && ln -s /data/coco/train2017
   coco/`), then on 4 GPUs:
-    torchrun --nproc_per_node 4 selfpatch.py --arch vit_tiny --data_path coco --batch_size_per_gpu 64 \
-        --local_crops_number 2 --out_dim 4096 --patch_out_dim 4096
+    torchrun --nproc_per_node 4 selfpatch.py --arch vit_tiny --data_path coco \
+        --batch_size_per_gpu 64 --local_crops_number 2 --out_dim 4096 --patch_out_dim 4096
 """
 import argparse
 import time
@@ -90,48 +92,63 @@ def get_args_parser():
     g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2),  # K = 1: the loss is 0
                    help="K, the number of prototypes of the image-token head (4096 for COCO)")
     g.add_argument("--patch_out_dim", default=4096, type=common.ranged(int, 2),
-                   help="K_p, the number of prototypes of the patch head (4096 for ImageNet and COCO)")
+                   help="K_p, the number of prototypes of the patch head (4096 for ImageNet "
+                        "and COCO)")
     g.add_argument("--k_num", default=4, type=common.POSITIVE_INT,
-                   help="k, positives per patch among its 8 neighbours; the paper advises 4 for 8 and 16 px "
-                        "patches of 224 px images, 2 for 32 px patches")
+                   help="k, positives per patch among its 8 neighbours; the paper advises 4 for 8 "
+                        "and 16 px patches of 224 px images, 2 for 32 px patches")
     g.add_argument("--neighbors_wrap", default=True, type=common.bool_flag,
-                   help="the 3x3 window wraps around the grid borders, as in the authors' code; with false, "
-                        "corner patches have only 3 candidates, so --k_num must be at most 3")
+                   help="the 3x3 window wraps around the grid borders, as in the authors' code; "
+                        "with false, corner patches have only 3 candidates, so --k_num must be at "
+                        "most 3")
     g.add_argument("--center_crops", default="all", choices=["all", "global"],
-                   help="teacher image outputs averaged into the image-token center: of all crops (authors' "
-                        "code) or of the 2 global crops, the only ones used as targets (DINO)")
+                   help="teacher image outputs averaged into the image-token center: of all crops "
+                        "(authors' code) or of the 2 global crops, the only ones used as targets "
+                        "(DINO)")
     g.add_argument("--patch_loss_weight", default=0.1, type=common.NONNEGATIVE,
                    help="weight of the patch loss (authors' code)")
     g.add_argument("--norm_last_layer", default=True, type=common.bool_flag,
-                   help="freeze the gain of the weight-normalised last layer of both heads (stabler)")
+                   help="freeze the gain of the weight-normalised last layer of both heads "
+                        "(stabler)")
     g.add_argument("--use_bn_in_head", default=False, type=common.bool_flag,
                    help="batch norm in the head MLPs (not with ViTs)")
     common.add_head_size_args(g)
     g.add_argument("--momentum_teacher", default=0.996, type=common.FRACTION,
                    help="EMA momentum base, cosine to 1; use 0.9995 with batches of 256 or less")
-    g.add_argument("--warmup_teacher_temp", default=0.04, type=common.POSITIVE, help="teacher temperature at epoch 0")
+    g.add_argument("--warmup_teacher_temp", default=0.04, type=common.POSITIVE,
+                   help="teacher temperature at epoch 0")
     g.add_argument("--teacher_temp", default=0.04, type=common.POSITIVE,
-                   help="teacher temperature after warmup (both terms); above 0.07 training becomes unstable")
+                   help="teacher temperature after warmup (both terms); above 0.07 training "
+                        "becomes unstable")
     g.add_argument("--patch_teacher_temp", default=None, type=common.POSITIVE,
-                   help="a constant teacher temperature for the patch term alone; None: the image term's schedule")
+                   help="a constant teacher temperature for the patch term alone; None: the image "
+                        "term's schedule")
     g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.NONNEGATIVE,
-                   help="epochs of linear teacher-temperature warmup; whole epochs ramp per epoch as the "
-                        "authors' code, a fraction per step (0.5 = half an epoch)")
+                   help="epochs of linear teacher-temperature warmup; whole epochs ramp per epoch "
+                        "as the authors' code, a fraction per step (0.5 = half an epoch)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=64, type=common.POSITIVE_INT,
                    help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=200, type=common.POSITIVE_INT, help="training epochs (SelfPatch on ImageNet: 200)")
-    g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE, help="peak lr at total batch 256 (linear scaling)")
-    g.add_argument("--min_lr", default=1e-6, type=common.NONNEGATIVE, help="lr at the end of the cosine schedule")
+    g.add_argument("--epochs", default=200, type=common.POSITIVE_INT,
+                   help="training epochs (SelfPatch on ImageNet: 200)")
+    g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE,
+                   help="peak lr at total batch 256 (linear scaling)")
+    g.add_argument("--min_lr", default=1e-6, type=common.NONNEGATIVE,
+                   help="lr at the end of the cosine schedule")
     g.add_argument("--warmup_epochs", default=10, type=common.NONNEGATIVE,
                    help="linear lr warmup from 0 (a fraction counts steps: 0.5 = half an epoch)")
-    g.add_argument("--weight_decay", default=0.04, type=common.NONNEGATIVE, help="weight decay at the start (cosine)")
-    g.add_argument("--weight_decay_end", default=0.4, type=common.NONNEGATIVE, help="weight decay at the end")
-    g.add_argument("--clip_grad", default=3.0, type=common.NONNEGATIVE, help="per-parameter gradient norm clip (0 = off)")
+    g.add_argument("--weight_decay", default=0.04, type=common.NONNEGATIVE,
+                   help="weight decay at the start (cosine)")
+    g.add_argument("--weight_decay_end", default=0.4, type=common.NONNEGATIVE,
+                   help="weight decay at the end")
+    g.add_argument("--clip_grad", default=3.0, type=common.NONNEGATIVE,
+                   help="per-parameter gradient norm clip (0 = off)")
     g.add_argument("--freeze_last_layer", default=1, type=common.NONNEGATIVE,
-                   help="epochs during which the heads' last layers are not updated (helps early training; a fraction counts steps)")
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (ViT) or sgd")
+                   help="epochs during which the heads' last layers are not updated (helps early "
+                        "training; a fraction counts steps)")
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                   help="adamw (ViT) or sgd")
 
     common.add_multicrop_args(p, global_crops_scale=(0.25, 1.0), local_crops_scale=(0.05, 0.25))
     common.add_data_args(p)
@@ -143,20 +160,24 @@ def get_args_parser():
 # Loss
 # ================================================================================================
 class SelfPatchLoss(nn.Module):
-    """DINO's loss on the image tokens plus the patch loss: on every crop, the student's distribution
-    of patch i against the teacher's distribution of the aggregate of i's positives.
+    """DINO's loss on the image tokens plus the patch loss: on every crop, the student's
+    distribution of patch i against the teacher's distribution of the aggregate of i's positives.
 
-        L = L_cls + w * 1/|V| sum_v mean_{b, i} H(softmax((t_i^v - c_p) / tau_t), softmax(s_i^v / tau_s))
+        L = L_cls + w * 1/|V| sum_v mean_{b, i} H(softmax((t_i^v - c_p) / tau_t),
+                                                   softmax(s_i^v / tau_s))
     """
 
     def __init__(self, out_dim, patch_out_dim, ncrops, warmup_teacher_temp, teacher_temp,
                  warmup_teacher_temp_epochs, nepochs, patch_loss_weight=0.1, student_temp=0.1,
                  center_momentum=0.9, center_crops="all", patch_teacher_temp=None, niter_per_ep=1):
         super().__init__()
-        self.ncrops, self.student_temp, self.center_momentum = ncrops, student_temp, center_momentum
+        self.ncrops = ncrops
+        self.student_temp = student_temp
+        self.center_momentum = center_momentum
         self.patch_loss_weight = patch_loss_weight
         if center_crops not in ("all", "global"):
-            raise ValueError(f"center_crops must be 'all' (authors' code) or 'global' (DINO), not {center_crops!r}")
+            raise ValueError("center_crops must be 'all' (authors' code) or 'global' (DINO), not "
+                             f"{center_crops!r}")
         self.center_crops = center_crops
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.register_buffer("patch_center", torch.zeros(1, patch_out_dim))
@@ -169,21 +190,25 @@ class SelfPatchLoss(nn.Module):
         """Each output is (image logits [ncrops*B, K], patch logits [[n*B, N, K_p] per resolution
         group]), crop-major rows, as `SelfPatch.forward` returns them; `step`, the global iteration,
         picks the teacher temperature."""
-        (student_image, student_patches), (teacher_image, teacher_patches) = student_output, teacher_output
+        student_image, student_patches = student_output
+        teacher_image, teacher_patches = teacher_output
         student_image, teacher_image = student_image.float(), teacher_image.float()
         temp = self.teacher_temp_schedule[step]
         # image tokens: DINO's loss, the teacher's 2 global crops against every other crop
-        log_p = F.log_softmax(student_image / self.student_temp, dim=-1).unflatten(0, (self.ncrops, -1))
-        q = F.softmax((teacher_image.unflatten(0, (self.ncrops, -1))[:2] - self.center) / temp, dim=-1).detach()
+        log_p = F.log_softmax(student_image / self.student_temp, dim=-1)
+        log_p = log_p.unflatten(0, (self.ncrops, -1))
+        teacher_global = teacher_image.unflatten(0, (self.ncrops, -1))[:2]
+        q = F.softmax((teacher_global - self.center) / temp, dim=-1).detach()
         batch = q.shape[1]
-        ce = -torch.einsum("tbk,sbk->ts", q, log_p) / batch      # [2, ncrops]: teacher crop t, student crop s
-        cls_loss = ce.flatten()[self.other_pairs].mean()         # the pairs of different crops
+        ce = -torch.einsum("tbk,sbk->ts", q, log_p) / batch  # [teacher crop t, student crop s]
+        cls_loss = ce.flatten()[self.other_pairs].mean()     # the pairs of different crops
         # patches: same crop for both networks; mean over the patches of each crop, then over crops
         patch_temp = temp if self.patch_teacher_temp is None else self.patch_teacher_temp
         patch_ce = []
-        for s, t in zip(student_patches, teacher_patches):      # one [n*B, N, K_p] pair per resolution
+        for s, t in zip(student_patches, teacher_patches):  # one [n*B, N, K_p] pair per resolution
             q_patch = F.softmax((t.float() - self.patch_center) / patch_temp, dim=-1).detach()
-            patch_ce.append(-(q_patch * F.log_softmax(s.float() / self.student_temp, dim=-1)).sum(-1).mean(-1))
+            log_p_patch = F.log_softmax(s.float() / self.student_temp, dim=-1)
+            patch_ce.append(-(q_patch * log_p_patch).sum(-1).mean(-1))
         patch_loss = torch.cat(patch_ce).mean()                 # [ncrops*B] per-(crop, image) means
         loss = cls_loss + self.patch_loss_weight * patch_loss
         self.update_centers(teacher_image, teacher_patches)
@@ -194,17 +219,20 @@ class SelfPatchLoss(nn.Module):
 
     @torch.no_grad()
     def update_centers(self, teacher_image, teacher_patches):
-        """EMA of the mean raw teacher output of every process: image logits of all crops (or of the 2
-        global ones, `center_crops="global"`), and patch logits of all patches of all crops (each
-        patch weighs the same, whatever its crop's size)."""
+        """EMA of the mean raw teacher output of every process: image logits of all crops (or of
+        the 2 global ones, `center_crops="global"`), and patch logits of all patches of all crops
+        (each patch weighs the same, whatever its crop's size)."""
         world = common.get_world_size()
-        if self.center_crops == "global":                        # crop-major rows: the first 2 crops
+        if self.center_crops == "global":  # crop-major rows: the first 2 crops
             teacher_image = teacher_image[: 2 * len(teacher_image) // self.ncrops]
-        image_center = common.all_reduce_sum(teacher_image.sum(dim=0, keepdim=True)) / (len(teacher_image) * world)
-        patch_sum = common.all_reduce_sum(sum(t.sum(dim=(0, 1), dtype=torch.float32) for t in teacher_patches)[None])
+        image_center = common.all_reduce_sum(teacher_image.sum(dim=0, keepdim=True))
+        image_center = image_center / (len(teacher_image) * world)
+        patch_sum = sum(t.sum(dim=(0, 1), dtype=torch.float32) for t in teacher_patches)
+        patch_sum = common.all_reduce_sum(patch_sum[None])
         patch_center = patch_sum / (sum(t.shape[0] * t.shape[1] for t in teacher_patches) * world)
         self.center.mul_(self.center_momentum).add_(image_center, alpha=1 - self.center_momentum)
-        self.patch_center.mul_(self.center_momentum).add_(patch_center, alpha=1 - self.center_momentum)
+        self.patch_center.mul_(self.center_momentum).add_(patch_center,
+                                                          alpha=1 - self.center_momentum)
 
 
 # ================================================================================================
@@ -237,13 +265,16 @@ def neighbor_table(h, w, wrap=True):
 
 @torch.no_grad()
 def select_positives(tokens, neighbors, valid, k):
-    """tokens [B, N, C] (the teacher's raw backbone tokens) -> [B, N, k]: flat indices of each patch's
-    k valid candidates (`neighbor_table`) with the highest cosine similarity to it. In float32 under any
-    autocast, as the DINO head: bf16 similarities (8 bits) reorder near ties and pick other positives."""
+    """tokens [B, N, C] (the teacher's raw backbone tokens) -> [B, N, k]: flat indices of each
+    patch's k valid candidates (`neighbor_table`) with the highest cosine similarity to it. In
+    float32 under any autocast, as the DINO head: bf16 similarities (8 bits) reorder near ties and
+    pick other positives."""
     with torch.autocast(tokens.device.type, enabled=False):
         x = F.normalize(tokens.float(), dim=-1)
-        similarity = (x @ x.transpose(1, 2)).gather(2, neighbors.expand(len(x), -1, -1))  # [B, N, 8]
-    best = similarity.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices        # positions in the table
+        similarity = x @ x.transpose(1, 2)                                   # [B, N, N]
+        similarity = similarity.gather(2, neighbors.expand(len(x), -1, -1))  # [B, N, 8]
+    # [B, N, k] positions in the table
+    best = similarity.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices
     return neighbors.expand(len(x), -1, -1).gather(2, best)
 
 
@@ -256,32 +287,39 @@ class AggregationModule(common.ClassAttentionPool):
     image token), or the positives of one patch."""
 
     def forward(self, tokens, positives=None):
-        """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs are the
-        tokens themselves (student), or given positives [B, N, k] (teacher) the summary of each
-        patch's k positives, the patch itself not included."""
+        """tokens [B, N, C] -> LN([image token; patch outputs]) [B, 1 + N, C]. The patch outputs
+        are the tokens themselves (student), or given positives [B, N, k] (teacher) the summary of
+        each patch's k positives, the patch itself not included."""
         image = self.summarize(tokens)[:, None]
         if positives is not None:
             B, N, k = positives.shape
-            gathered = tokens[torch.arange(B, device=tokens.device)[:, None, None], positives]  # [B, N, k, C]
+            rows = torch.arange(B, device=tokens.device)[:, None, None]
+            gathered = tokens[rows, positives]  # [B, N, k, C]
             tokens = self.summarize(gathered.flatten(0, 1)).unflatten(0, (B, N))
         return self.norm(torch.cat([image, tokens], dim=1))
 
 
 class SelfPatch(nn.Module):
-    """Backbone (ViT without CLS token or final norm) -> aggregation module -> DINO head on the image
-    token (c_head) and DINO head on every patch (p_head). Consecutive crops of equal resolution go
-    through the backbone as one batch."""
+    """Backbone (ViT without CLS token or final norm) -> aggregation module -> DINO head on the
+    image token (c_head) and DINO head on every patch (p_head). Consecutive crops of equal
+    resolution go through the backbone as one batch."""
 
     def __init__(self, backbone, ca_head, c_head, p_head, k_num=4, neighbors_wrap=True):
         super().__init__()
-        self.backbone, self.ca_head, self.c_head, self.p_head = backbone, ca_head, c_head, p_head
-        self.k_num, self.neighbors_wrap = k_num, neighbors_wrap
+        self.backbone = backbone
+        self.ca_head = ca_head
+        self.c_head = c_head
+        self.p_head = p_head
+        self.k_num = k_num
+        self.neighbors_wrap = neighbors_wrap
 
     def forward(self, crops, aggregate_positives=False):
-        """(image logits [ncrops*B, K], patch logits [[n*B, N, K_p] per resolution group]). Patch i is
-        the student's own token, or with `aggregate_positives` (teacher) the aggregate of its positives."""
+        """(image logits [ncrops*B, K], patch logits [[n*B, N, K_p] per resolution group]). Patch i
+        is the student's own token, or with `aggregate_positives` (teacher) the aggregate of its
+        positives."""
         image_logits, patch_logits = [], []
-        for _, grid in common.forward_multicrop(partial(self.backbone.forward_dense, norm=False), crops):
+        dense = partial(self.backbone.forward_dense, norm=False)
+        for _, grid in common.forward_multicrop(dense, crops):
             positives = self.positives(grid) if aggregate_positives else None
             out = self.ca_head(grid.flatten(1, 2), positives)            # [n*B, 1 + N, C]
             image_logits.append(self.c_head(out[:, 0]))
@@ -290,14 +328,15 @@ class SelfPatch(nn.Module):
 
     def positives(self, grid):
         """grid [B, h, w, C] raw tokens -> [B, h*w, k] flat indices of every patch's positives."""
-        neighbors, valid = candidates(*grid.shape[1:3], self.neighbors_wrap, self.k_num, grid.device)
+        neighbors, valid = candidates(*grid.shape[1:3], self.neighbors_wrap, self.k_num,
+                                      grid.device)
         return select_positives(grid.flatten(1, 2), neighbors, valid, self.k_num)
 
 
 @lru_cache(maxsize=None)
 def candidates(h, w, wrap, k, device):
-    """`neighbor_table` on `device`, checked to offer k positives everywhere: once per grid and device, not a
-    copy to the GPU and a read back every step."""
+    """`neighbor_table` on `device`, checked to offer k positives everywhere: once per grid and
+    device, not a copy to the GPU and a read back every step."""
     neighbors, valid = neighbor_table(h, w, wrap)
     fewest = int(valid.sum(1).min())
     if not 1 <= k <= fewest:
@@ -308,30 +347,38 @@ def candidates(h, w, wrap, k, device):
 
 
 def check_args(args):
-    """Refused before any data or model work: a Swin; a --k_num that a crop's patch grid cannot offer (`candidates`)."""
+    """Refused before any data or model work: a Swin; a --k_num that a crop's patch grid cannot
+    offer (`candidates`)."""
     if common.ARCHS[args.arch]["family"] != "vit":
         common.die(f"--arch {args.arch}: SelfPatch is implemented for ViT backbones only (vit_*)")
-    for size in {args.global_crop_size, args.local_crop_size if args.local_crops_number else args.global_crop_size}:
-        candidates(size // args.patch_size, size // args.patch_size, args.neighbors_wrap, args.k_num, "cpu")
+    for size in {args.global_crop_size,
+                 args.local_crop_size if args.local_crops_number else args.global_crop_size}:
+        candidates(size // args.patch_size, size // args.patch_size, args.neighbors_wrap,
+                   args.k_num, "cpu")
 
 
 def build_model(args, drop_path_rate):
     backbone = common.backbone_from_args(args, drop_path_rate, class_token=False, final_norm=False)
     dim = backbone.num_features
     ca_head = AggregationModule(dim, backbone.blocks[0].attn.num_heads)
-    c_head = common.DINOHead(dim, args.out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer,
-                           hidden_dim=args.head_hidden_dim, bottleneck_dim=args.head_bottleneck_dim)
-    p_head = common.DINOHead(dim, args.patch_out_dim, use_bn=args.use_bn_in_head, norm_last_layer=args.norm_last_layer,
-                           hidden_dim=args.head_hidden_dim, bottleneck_dim=args.head_bottleneck_dim)
+    c_head = common.DINOHead(dim, args.out_dim, use_bn=args.use_bn_in_head,
+                             norm_last_layer=args.norm_last_layer, hidden_dim=args.head_hidden_dim,
+                             bottleneck_dim=args.head_bottleneck_dim)
+    p_head = common.DINOHead(dim, args.patch_out_dim, use_bn=args.use_bn_in_head,
+                             norm_last_layer=args.norm_last_layer, hidden_dim=args.head_hidden_dim,
+                             bottleneck_dim=args.head_bottleneck_dim)
     return SelfPatch(backbone, ca_head, c_head, p_head, args.k_num, args.neighbors_wrap)
 
 
 # ================================================================================================
 # One epoch
 # ================================================================================================
-def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step, args, device):
+def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch,
+                    start_step, args, device):
     n_steps = len(schedules["lr"]) // args.epochs
-    totals, start, images = {}, time.time(), 0
+    totals = {}
+    start = time.time()
+    images = 0
     bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps - start_step)
     for it, ((crops, _geometry), _labels) in enumerate(bar, start=start_step):
         if it >= n_steps:
@@ -345,8 +392,8 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         crops = [c.to(device, non_blocking=True) for c in crops]
 
         with common.autocast(device, args.precision):
-            with torch.no_grad():
-                teacher_output = teacher(crops, aggregate_positives=True)  # every crop has a patch term
+            with torch.no_grad():  # the teacher sees every crop: each has a patch term
+                teacher_output = teacher(crops, aggregate_positives=True)
             student_output = student(crops)
         losses = criterion(student_output, teacher_output, step)  # float32: outside autocast
         loss = losses["loss"]
@@ -363,18 +410,22 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         scaler.update()
         common.update_teacher(student, teacher, momentum)
 
-        del teacher_output, student_output, losses, loss   # not held through the next step's forward
-        stats.update(lr=lr, wd=wd, momentum=momentum, teacher_temp=float(criterion.teacher_temp_schedule[step]))
+        del teacher_output, student_output, losses, loss  # not held through the next forward
+        stats.update(lr=lr, wd=wd, momentum=momentum,
+                     teacher_temp=float(criterion.teacher_temp_schedule[step]))
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
         images += len(crops[0]) * common.get_world_size()
-        bar.set_postfix(loss=f"{stats['loss']:.4f}", cls=f"{stats['cls_loss']:.4f}", patch=f"{stats['patch_loss']:.4f}",
-                        lr=f"{stats['lr']:.2e}", wd=f"{stats['wd']:.3f}", mom=f"{stats['momentum']:.4f}",
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", cls=f"{stats['cls_loss']:.4f}",
+                        patch=f"{stats['patch_loss']:.4f}", lr=f"{stats['lr']:.2e}",
+                        wd=f"{stats['wd']:.3f}", mom=f"{stats['momentum']:.4f}",
                         H_t=f"{stats['teacher_entropy']:.2f}")
 
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
-        if (preempted or periodic) and it + 1 < n_steps:  # a signal in any process; at the epoch's end main() saves
-            save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args, loader.dataset)
+        # a signal in any process; at the epoch's end main() saves
+        if (preempted or periodic) and it + 1 < n_steps:
+            save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args,
+                     loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -400,11 +451,13 @@ def main(args):
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
-    augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
-                                           args.global_crop_size, args.local_crop_size)
+    augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale,
+                                           args.local_crops_number, args.global_crop_size,
+                                           args.local_crop_size)
     dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed,
                                    batched=args.batched_crops)
-    loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers, train=True, seed=args.seed)
+    loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
+                                         train=True, seed=args.seed)
     common.log(f"data: {len(dataset)} images, {len(loader)} steps per epoch")
 
     # ---- student and teacher start from the same weights; the teacher has no drop path
@@ -416,14 +469,19 @@ def main(args):
         if args.use_bn_in_head:
             student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
             teacher = nn.SyncBatchNorm.convert_sync_batchnorm(teacher)
-        student = nn.parallel.DistributedDataParallel(student, device_ids=[device] if device.type == "cuda" else None)
-    common.log(f"student and teacher: {args.arch}, {sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters each")
+        student = nn.parallel.DistributedDataParallel(
+            student, device_ids=[device] if device.type == "cuda" else None)
+    common.log(f"student and teacher: {args.arch}, "
+               f"{sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters each")
 
-    n_steps = len(loader) if not args.max_steps_per_epoch else min(len(loader), args.max_steps_per_epoch)
-    criterion = SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2, args.warmup_teacher_temp,
+    n_steps = (len(loader) if not args.max_steps_per_epoch
+               else min(len(loader), args.max_steps_per_epoch))
+    criterion = SelfPatchLoss(args.out_dim, args.patch_out_dim, args.local_crops_number + 2,
+                              args.warmup_teacher_temp,
                               args.teacher_temp, args.warmup_teacher_temp_epochs, args.epochs,
                               args.patch_loss_weight, center_crops=args.center_crops,
-                              patch_teacher_temp=args.patch_teacher_temp, niter_per_ep=n_steps).to(device)
+                              patch_teacher_temp=args.patch_teacher_temp,
+                              niter_per_ep=n_steps).to(device)
     params = common.get_params_groups(student)
     optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
                  else torch.optim.SGD(params, lr=0, momentum=0.9))
@@ -432,8 +490,10 @@ def main(args):
     # ---- schedules, one value per iteration (lr scaled linearly with the total batch)
     total_batch = args.batch_size_per_gpu * common.get_world_size()
     schedules = {
-        "lr": common.cosine_scheduler(args.lr * total_batch / 256, args.min_lr, args.epochs, n_steps, args.warmup_epochs),
-        "wd": common.cosine_scheduler(args.weight_decay, args.weight_decay_end, args.epochs, n_steps),
+        "lr": common.cosine_scheduler(args.lr * total_batch / 256, args.min_lr, args.epochs,
+                                      n_steps, args.warmup_epochs),
+        "wd": common.cosine_scheduler(args.weight_decay, args.weight_decay_end, args.epochs,
+                                      n_steps),
         "momentum": common.cosine_scheduler(args.momentum_teacher, 1, args.epochs, n_steps),
     }
 
@@ -442,38 +502,45 @@ def main(args):
     common.check_resumed_dataset(ckpt, dataset, args)  # Part C
     start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
-        common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler, selfpatch_loss=criterion)
+        common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler,
+                       selfpatch_loss=criterion)
         common.set_rng_state(ckpt["rng"][common.get_rank() % len(ckpt["rng"])])
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
 
-    common.save_args(args, "selfpatch.py")                              # every start-up check passed
-    if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now
+    common.save_args(args, "selfpatch.py")  # every start-up check passed
+    if start_epoch == args.epochs:  # --epochs lowered to those trained: a finished run's files
         common.log(f"nothing left to train: {ckpt_path} has trained all {args.epochs} epochs")
-        save_checkpoints(student, teacher, optimizer, scaler, criterion, args.epochs, 0, args, dataset)
+        save_checkpoints(student, teacher, optimizer, scaler, criterion,
+                         args.epochs, 0, args, dataset)
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch, start_batch=start_step)   # mid-epoch resume: skip the batches already seen
-        record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules, epoch, start_step,
-                                 args, device)
+        sampler.set_epoch(epoch, start_batch=start_step)  # mid-epoch resume: skips seen batches
+        record = train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, schedules,
+                                 epoch, start_step, args, device)
         start_step = 0
-        record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)   # all processes
+        record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)  # all ranks
         common.append_log(args.output_dir, record)  # before the checkpoint
-        save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch + 1, 0, args, dataset)
-        common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if any(common.all_gather_objects(common.preemption_requested(device))):   # a signal in any process
+        save_checkpoints(student, teacher, optimizer, scaler, criterion,
+                         epoch + 1, 0, args, dataset)
+        common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in record.items()))
+        if any(common.all_gather_objects(common.preemption_requested(device))):  # any signal
             common.exit_after_preemption(args.output_dir)
-    common.log(f"done; teacher for evaluation (its image token): {Path(args.output_dir) / 'checkpoint.pth'}")
+    common.log("done; teacher for evaluation (its image token): "
+               f"{Path(args.output_dir) / 'checkpoint.pth'}")
 
 
 def save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, step, args, dataset):
-    """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every process takes
-    part: each one's RNG state is saved; eval_knn.py and eval_linear.py read its teacher). At an
-    epoch boundary (step 0) also a copy every saveckp_freq epochs and the teacher backbone alone
-    with timm key names (for timm and dense tasks)."""
+    """Collective: checkpoint.pth, everything needed to resume at batch `step` of `epoch` (every
+    process takes part: each one's RNG state is saved; eval_knn.py and eval_linear.py read its
+    teacher). At an epoch boundary (step 0) also a copy every saveckp_freq epochs and the teacher
+    backbone alone with timm key names (for timm and dense tasks)."""
     state = {"student": common.unwrap(student).state_dict(), "teacher": teacher.state_dict(),
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-             "selfpatch_loss": criterion.state_dict(), "epoch": epoch, "step": step, "args": vars(args),
-             "method": "selfpatch", "backbone": common.backbone_record(teacher.backbone, image_token="ca_head"),
-             "dataset": common.dataset_record(dataset), "rng": common.all_gather_objects(common.rng_state())}
+             "selfpatch_loss": criterion.state_dict(), "epoch": epoch, "step": step,
+             "args": vars(args), "method": "selfpatch",
+             "backbone": common.backbone_record(teacher.backbone, image_token="ca_head"),
+             "dataset": common.dataset_record(dataset),
+             "rng": common.all_gather_objects(common.rng_state())}
     if not common.is_main_process():
         return
     out = Path(args.output_dir)

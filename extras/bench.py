@@ -1,11 +1,11 @@
-"""Speed and memory of every method's training step, timed in the method's own code; and the README
-quick start's step with PIL crops in loader workers against batched crops without workers.
+"""Speed and memory of every method's training step, timed in the method's own code; and the
+README quick start's step with PIL crops in loader workers against batched crops without workers.
 
-    python extras/bench.py                                     # CPU preset (vit_pico), every method
-    python extras/bench.py --preset paper --device cuda        # ViT-S/16, 2 x 224 + 8 x 96, batch 64
+    python extras/bench.py                                 # CPU preset (vit_pico), every method
+    python extras/bench.py --preset paper --device cuda    # ViT-S/16, 2 x 224 + 8 x 96, batch 64
     python extras/bench.py --preset paper --device cuda --arch swin_tiny
     python extras/bench.py --methods dino glsd_geometric --precisions fp32 bf16 --steps 3
-    python extras/bench.py --recipe quickstart                 # PIL crops + workers vs batched crops
+    python extras/bench.py --recipe quickstart             # PIL crops + workers vs batched crops
 
 What is timed. A row (a method, with some flags of its own, in one precision) runs the method file's
 own `main()` on the arguments its own parser gives (`get_args_parser().parse_args([...])`), for one
@@ -19,27 +19,28 @@ cudnn.benchmark) that `common.init_distributed` applies in `main()` as in traini
 wrapped while the row runs): a step lasts from one batch handed out to the next, its data wait is
 how long the next batch took to arrive. The first --warmup steps are not counted.
 
-Columns: median ms per step (min-max) and the median data wait in it; images/s = batch / median step;
-peak memory above what the process held before `main()` (CUDA: `torch.cuda.max_memory_allocated`;
-CPU: the peak resident set, VmHWM, reset before the row; loader workers not included); the precision
-that ran (`--precision auto` resolved by `common.resolve_precision`); the epoch's mean loss; the
-median step over DINO's in the same precision.
+Columns: median ms per step (min-max) and the median data wait in it; images/s = batch / median
+step; peak memory above what the process held before `main()` (CUDA:
+`torch.cuda.max_memory_allocated`; CPU: the peak resident set, VmHWM, reset before the row; loader
+workers not included); the precision that ran (`--precision auto` resolved by
+`common.resolve_precision`); the epoch's mean loss; the median step over DINO's in the same
+precision.
 
---recipe quickstart: the README quick start's DINO training (vit_pico/4, batch 128, 2 x 32 + 4 x 16 px
-crops of Fashion-MNIST, `--precision auto`), run by `dino.main()` in two ways: PIL crops built in N
-loader workers (each N of --recipe_workers) and `--batched_crops true` with no worker. The
+--recipe quickstart: the README quick start's DINO training (vit_pico/4, batch 128, 2 x 32 + 4 x 16
+px crops of Fashion-MNIST, `--precision auto`), run by `dino.main()` in two ways: PIL crops built in
+N loader workers (each N of --recipe_workers) and `--batched_crops true` with no worker. The
 configurations take turns, --recipe_rounds rounds of --recipe_steps counted steps each (a round is
-one `dino.main()` run from the same weights; its first step, with a cold loader, is not counted),
-so that the load of a shared machine hits all alike. img/s = batch / median step (data wait
-included); CPU s/step = the CPU time a step costs this process and its loader workers (robust to
-other load, which wall time is not). --recipe_flags appends flags to every configuration (later
-flags win), e.g. --recipe_flags "--dataset synthetic" where Fashion-MNIST is not installed.
+one `dino.main()` run from the same weights; its first step, with a cold loader, is not counted), so
+that the load of a shared machine hits all alike. img/s = batch / median step (data wait included);
+CPU s/step = the CPU time a step costs this process and its loader workers (robust to other load,
+which wall time is not). --recipe_flags appends flags to every configuration (later flags win), e.g.
+--recipe_flags "--dataset synthetic" where Fashion-MNIST is not installed.
 
 Dropped when the bench moved from tests/ to extras/ and was rewritten to time the methods' own code
-(it used to re-implement each method's step): FLOP counts and MFU, the split of a step into backbone,
-heads + loss, update and the method's own work, `--profile`, and the data-pipeline comparison with
-a plain PIL/torchvision pipeline (the figures in docs/PERFORMANCE.md that name them were measured
-with that earlier version).
+(it used to re-implement each method's step): FLOP counts and MFU, the split of a step into
+backbone, heads + loss, update and the method's own work, `--profile`, and the data-pipeline
+comparison with a plain PIL/torchvision pipeline (the figures in docs/PERFORMANCE.md that name them
+were measured with that earlier version).
 """
 import argparse
 import contextlib
@@ -81,33 +82,38 @@ METHODS = {
 # with K = 1024 costs 0.7x the backbone, as the papers' 2048-wide head with K = 65536 costs about
 # 1x ViT-S/16 (the papers' head on vit_pico would cost 25x the backbone and hide everything else).
 PRESETS = {
-    "cpu": dict(arch="vit_pico", patch_size=8, global_crop_size=64, local_crop_size=32, local_crops_number=4,
-                batch_size=16, out_dim=1024, patch_out_dim=256, head_hidden_dim=256, head_bottleneck_dim=64,
-                num_workers=0),
-    "paper": dict(arch="vit_small", patch_size=16, global_crop_size=224, local_crop_size=96, local_crops_number=8,
-                  batch_size=64, out_dim=65536, patch_out_dim=4096, head_hidden_dim=2048, head_bottleneck_dim=256,
-                  num_workers=8),
+    "cpu": dict(arch="vit_pico", patch_size=8, global_crop_size=64, local_crop_size=32,
+                local_crops_number=4, batch_size=16, out_dim=1024, patch_out_dim=256,
+                head_hidden_dim=256, head_bottleneck_dim=64, num_workers=0),
+    "paper": dict(arch="vit_small", patch_size=16, global_crop_size=224, local_crop_size=96,
+                  local_crops_number=8, batch_size=64, out_dim=65536, patch_out_dim=4096,
+                  head_hidden_dim=2048, head_bottleneck_dim=256, num_workers=8),
 }
 
 # The README quick start's training flags (epochs, steps, workers and crops come from the bench).
-QUICKSTART = ("--arch vit_pico --patch_size 4 --dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 "
-              "--local_crops_number 4 --out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 "
-              "--norm_last_layer false --batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 "
-              "--weight_decay_end 0.04 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
-              "--warmup_epochs 0.5 --precision auto").split()
+QUICKSTART = ("--arch vit_pico --patch_size 4 --dataset fashion_mnist --global_crop_size 32 "
+              "--local_crop_size 16 --local_crops_number 4 --out_dim 4096 --head_hidden_dim 512 "
+              "--head_bottleneck_dim 128 --norm_last_layer false --batch_size_per_gpu 128 "
+              "--lr 0.004 --weight_decay 0.04 --weight_decay_end 0.04 --freeze_last_layer 0 "
+              "--momentum_teacher 0.99 --drop_path_rate 0 --warmup_epochs 0.5 "
+              "--precision auto").split()
 
 
 def get_args_parser():
     p = argparse.ArgumentParser("bench.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="cpu", choices=list(PRESETS),
-                   help="defaults of the model and crop flags: cpu (vit_pico, 2 x 64 + 4 x 32 px, batch 16, small "
-                        "heads, no loader worker) or paper (ViT-S/16, 2 x 224 + 8 x 96 px, batch 64, the papers' "
-                        "heads, 8 loader workers); flags override it")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="rows to run")
-    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16", "auto"],
-                   help="--precision of the rows (auto: what training picks here, as the header says; bf16 on a "
-                        "CPU without native bf16 is emulated, many times slower: --precisions fp32 skips it)")
+                   help="defaults of the model and crop flags: cpu (vit_pico, 2 x 64 + 4 x 32 px, "
+                        "batch 16, small heads, no loader worker) or paper (ViT-S/16, 2 x 224 + "
+                        "8 x 96 px, batch 64, the papers' heads, 8 loader workers); "
+                        "flags override it")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                   help="rows to run")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"],
+                   choices=["fp32", "bf16", "fp16", "auto"],
+                   help="--precision of the rows (auto: what training picks here, as the header "
+                        "says; bf16 on a CPU without native bf16 is emulated, many times slower: "
+                        "--precisions fp32 skips it)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--threads", type=common.POSITIVE_INT, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=common.COUNT, default=0)
@@ -115,26 +121,33 @@ def get_args_parser():
     g.add_argument("--arch", choices=list(common.ARCHS))
     g.add_argument("--patch_size", type=common.POSITIVE_INT, help="ViT patch size")
     g.add_argument("--window_size", type=common.POSITIVE_INT, default=7, help="Swin window size")
-    g.add_argument("--global_crop_size", type=common.POSITIVE_INT, help="pixels (DRLoc's --input_size too)")
+    g.add_argument("--global_crop_size", type=common.POSITIVE_INT,
+                   help="pixels (DRLoc's --input_size too)")
     g.add_argument("--local_crop_size", type=common.POSITIVE_INT, help="pixels")
     g.add_argument("--local_crops_number", type=common.COUNT)
     g.add_argument("--batch_size", type=common.POSITIVE_INT, help="images per step")
     g.add_argument("--out_dim", type=common.POSITIVE_INT, help="K of every DINO head")
-    g.add_argument("--patch_out_dim", type=common.POSITIVE_INT, help="K_p of SelfPatch's patch head")
+    g.add_argument("--patch_out_dim", type=common.POSITIVE_INT,
+                   help="K_p of SelfPatch's patch head")
     g.add_argument("--head_hidden_dim", type=common.POSITIVE_INT)
     g.add_argument("--head_bottleneck_dim", type=common.POSITIVE_INT)
     g.add_argument("--num_workers", type=common.COUNT, help="loader workers")
     g.add_argument("--batched_crops", default="false", choices=["true", "false"],
                    help="--batched_crops of the self-distillation methods (DRLoc has none)")
-    g.add_argument("--warmup", type=common.POSITIVE_INT, default=2, help="steps not counted first (at least 1)")
+    g.add_argument("--warmup", type=common.POSITIVE_INT, default=2,
+                   help="steps not counted first (at least 1)")
     g.add_argument("--steps", type=common.POSITIVE_INT, default=5, help="counted steps")
     g = p.add_argument_group("the quick start side by side (instead of the rows)")
-    g.add_argument("--recipe", choices=["quickstart"], help="time the README quick start, PIL crops vs batched crops")
+    g.add_argument("--recipe", choices=["quickstart"],
+                   help="time the README quick start, PIL crops vs batched crops")
     g.add_argument("--recipe_workers", nargs="+", type=common.COUNT, default=[2],
                    help="loader workers of the PIL configurations (one configuration each)")
-    g.add_argument("--recipe_rounds", type=common.POSITIVE_INT, default=3, help="interleaved rounds per configuration")
-    g.add_argument("--recipe_steps", type=common.POSITIVE_INT, default=8, help="counted steps per round")
-    g.add_argument("--recipe_flags", default="", help="flags appended to every configuration's dino.py flags")
+    g.add_argument("--recipe_rounds", type=common.POSITIVE_INT, default=3,
+                   help="interleaved rounds per configuration")
+    g.add_argument("--recipe_steps", type=common.POSITIVE_INT, default=8,
+                   help="counted steps per round")
+    g.add_argument("--recipe_flags", default="",
+                   help="flags appended to every configuration's dino.py flags")
     return p
 
 
@@ -160,11 +173,16 @@ def cpu_seconds(pids):
 
 
 class Clock:
-    """Stands in for the loader that train_one_epoch iterates: notes when each batch is asked for and
-    when it is handed out (wall time), and the CPU time of this process and its loader workers then."""
+    """Stands in for the loader that train_one_epoch iterates: notes when each batch is asked for
+    and when it is handed out (wall time), and the CPU time of this process and its loader workers
+    then."""
 
     def __init__(self, loader):
-        self.loader, self.asked, self.got, self.cpu, self.record = loader, [], [], [], {}
+        self.loader = loader
+        self.asked = []   # wall time of each request for a batch
+        self.got = []     # wall time of each batch handed out
+        self.cpu = []     # CPU seconds of this process and its workers then
+        self.record = {}  # what train_one_epoch returned
 
     def __len__(self):
         return len(self.loader)
@@ -189,7 +207,8 @@ class Clock:
     def steps(self, skip):
         """[(step s, data wait s, CPU s)] of every step after the first `skip`: step i lasts from
         batch i handed out to batch i + 1 handed out (or the loader's end)."""
-        return [(self.got[i + 1] - self.got[i], self.got[i + 1] - self.asked[i + 1], self.cpu[i + 1] - self.cpu[i])
+        return [(self.got[i + 1] - self.got[i], self.got[i + 1] - self.asked[i + 1],
+                 self.cpu[i + 1] - self.cpu[i])
                 for i in range(skip, len(self.got) - 1)]
 
 
@@ -222,7 +241,8 @@ def proc_status_bytes(field):
 
 
 def start_memory(device):
-    """Free what is freed (glibc's heap, the CUDA cache), reset the peak; returns the bytes in use."""
+    """Free what is freed (glibc's heap, the CUDA cache), reset the peak; returns the bytes in
+    use."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -246,13 +266,15 @@ def run_main(module, argv, device):
     """module.main() on its own parser's arguments, its output captured: (args, [Clock], peak
     memory bytes or None, None), or (args, [], None, the error line) when main() refuses."""
     args = module.get_args_parser().parse_args(argv)
-    clocks, output = [], io.StringIO()
+    clocks = []
+    output = io.StringIO()
     before = start_memory(device)
     try:
-        with clocked(module, clocks), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            module.main(args)
+        with clocked(module, clocks), contextlib.redirect_stdout(output):
+            with contextlib.redirect_stderr(output):
+                module.main(args)
     except SystemExit as e:
-        if not isinstance(e.code, str):              # a preemption exit or a plain exit: not a refusal
+        if not isinstance(e.code, str):  # a preemption exit or a plain exit: not a refusal
             raise
         return args, [], None, e.code.strip().splitlines()[-1]
     return args, clocks, peak_memory(device, before), None
@@ -262,33 +284,44 @@ def run_main(module, argv, device):
 # The rows: every method, built and trained by its own main()
 # ================================================================================================
 def row_flags(name, precision, args, output_dir):
-    """The method's flags for a row: the bench's backbone, crops, heads and data, one short epoch."""
+    """The method's flags for a row: the bench's backbone, crops, heads and data, one short
+    epoch."""
     module, own = METHODS[name]
     steps = args.warmup + args.steps
-    vit = common.ARCHS[args.arch]["family"] == "vit"                 # the other family's flag would be refused
-    flags = ["--arch", args.arch, *(["--patch_size", str(args.patch_size)] if vit else ["--window_size", str(args.window_size)]),
+    # the other family's flag would be refused
+    vit = common.ARCHS[args.arch]["family"] == "vit"
+    flags = ["--arch", args.arch,
+             *(["--patch_size", str(args.patch_size)] if vit
+               else ["--window_size", str(args.window_size)]),
              "--batch_size_per_gpu", str(args.batch_size), "--dataset", "synthetic",
-             "--synthetic_images", str((steps + 1) * args.batch_size),   # the last step waits for a real batch
-             "--synthetic_image_size", str(args.global_crop_size), "--num_workers", str(args.num_workers),
+             # the last step waits for a real batch
+             "--synthetic_images", str((steps + 1) * args.batch_size),
+             "--synthetic_image_size", str(args.global_crop_size),
+             "--num_workers", str(args.num_workers),
              "--precision", precision, "--device", str(args.device), "--seed", str(args.seed),
              "--output_dir", output_dir, "--epochs", "1", "--max_steps_per_epoch", str(steps),
              "--warmup_epochs", "0", "--saveckp_freq", "0"]
     if module is drloc:
         flags += ["--input_size", str(args.global_crop_size), "--lambda_schedule", "constant"]
     else:   # a typical step: the last layer trained, the teacher temperature at its final value
-        flags += ["--global_crop_size", str(args.global_crop_size), "--local_crop_size", str(args.local_crop_size),
-                  "--local_crops_number", str(args.local_crops_number), "--out_dim", str(args.out_dim),
-                  "--head_hidden_dim", str(args.head_hidden_dim), "--head_bottleneck_dim", str(args.head_bottleneck_dim),
-                  "--freeze_last_layer", "0", "--warmup_teacher_temp_epochs", "0", "--batched_crops", args.batched_crops]
+        flags += ["--global_crop_size", str(args.global_crop_size),
+                  "--local_crop_size", str(args.local_crop_size),
+                  "--local_crops_number", str(args.local_crops_number),
+                  "--out_dim", str(args.out_dim), "--head_hidden_dim", str(args.head_hidden_dim),
+                  "--head_bottleneck_dim", str(args.head_bottleneck_dim),
+                  "--freeze_last_layer", "0", "--warmup_teacher_temp_epochs", "0",
+                  "--batched_crops", args.batched_crops]
     if module is selfpatch:
         flags += ["--patch_out_dim", str(args.patch_out_dim)]
     return flags + own
 
 
 def measure_row(name, precision, args, device, output_dir):
-    """One row: the method's main() for one epoch, its counted steps summarised; a string if refused."""
+    """One row: the method's main() for one epoch, its counted steps summarised; a string if
+    refused."""
     module = METHODS[name][0]
-    a, clocks, memory, error = run_main(module, row_flags(name, precision, args, output_dir), device)
+    flags = row_flags(name, precision, args, output_dir)
+    a, clocks, memory, error = run_main(module, flags, device)
     if error:
         return error
     steps = clocks[0].steps(args.warmup)
@@ -296,8 +329,9 @@ def measure_row(name, precision, args, device, output_dir):
         return f"only {len(steps) + args.warmup} steps ran, fewer than --warmup + --steps"
     times, waits = [s[0] for s in steps], [s[1] for s in steps]
     median = statistics.median(times)
-    return dict(method=name, precision=a.precision, requested=precision, median=median, min=min(times),
-                max=max(times), wait=statistics.median(waits), images_per_s=a.batch_size_per_gpu / median,
+    return dict(method=name, precision=a.precision, requested=precision, median=median,
+                min=min(times), max=max(times), wait=statistics.median(waits),
+                images_per_s=a.batch_size_per_gpu / median,
                 memory=memory, loss=clocks[0].record.get("loss"))
 
 
@@ -306,13 +340,15 @@ def hardware(device):
         return torch.cuda.get_device_name(device)
     with contextlib.suppress(OSError, StopIteration):
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
     return platform.processor() or platform.machine()
 
 
 def auto_precision(device):
     """The line `common.resolve_precision` logs for --precision auto on this device."""
-    probe, output = argparse.Namespace(precision="auto"), io.StringIO()
+    probe = argparse.Namespace(precision="auto")
+    output = io.StringIO()
     with contextlib.redirect_stdout(output):
         common.resolve_precision(probe, device)
     return output.getvalue().strip() or f"precision: {probe.precision}"
@@ -322,28 +358,33 @@ def print_header(device, argv):
     print(f"# bench.py: {hardware(device)}, {device}, {torch.get_num_threads()} torch thread(s), "
           f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print(f"--precision auto here: {auto_precision(device).removeprefix('precision: ')}")
-    print(f"command: python extras/bench.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"command: python extras/bench.py {command}".rstrip())
 
 
 def print_rows(rows, args):
     dino_time = {r["precision"]: r["median"] for r in rows if r["method"] == "dino"}
-    print("\n| method | precision | ms/step median (min–max) | data wait ms | img/s | peak MB | loss | vs DINO |")
+    print("\n| method | precision | ms/step median (min–max) | data wait ms | img/s | peak MB | "
+          "loss | vs DINO |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         precision = r["precision"] + (" (auto)" if r["requested"] == "auto" else "")
         memory = "—" if r["memory"] is None else f"{r['memory'] / 2 ** 20:.0f}"
-        versus = f"{r['median'] / dino_time[r['precision']]:.2f}x" if r["precision"] in dino_time else "—"
+        versus = (f"{r['median'] / dino_time[r['precision']]:.2f}x"
+                  if r["precision"] in dino_time else "—")
         loss = "—" if r["loss"] is None else f"{r['loss']:.4f}"
-        print(f"| {r['method']} | {precision} | {1e3 * r['median']:.0f} ({1e3 * r['min']:.0f}–{1e3 * r['max']:.0f}) "
-              f"| {1e3 * r['wait']:.0f} | {r['images_per_s']:.1f} | {memory} | {loss} | {versus} |")
+        print(f"| {r['method']} | {precision} | {1e3 * r['median']:.0f} "
+              f"({1e3 * r['min']:.0f}–{1e3 * r['max']:.0f}) | {1e3 * r['wait']:.0f} | "
+              f"{r['images_per_s']:.1f} | {memory} | {loss} | {versus} |")
     vit = common.ARCHS[args.arch]["family"] == "vit"
-    print(f"\n{args.arch} ({f'patch {args.patch_size}' if vit else f'window {args.window_size}'}), 2 x "
-          f"{args.global_crop_size} + {args.local_crops_number} x {args.local_crop_size} px crops (DRLoc: one "
-          f"{args.global_crop_size} px view), batch {args.batch_size}, heads {args.head_hidden_dim}/"
-          f"{args.head_bottleneck_dim}/K={args.out_dim} (SelfPatch K_p={args.patch_out_dim}), {args.num_workers} "
-          f"loader worker(s), batched crops {args.batched_crops}; {args.warmup} warm-up + {args.steps} counted steps "
-          f"of each method's own train_one_epoch. A step: from one batch handed out to the next (data wait "
-          f"included); peak MB: above the memory in use before main(); loss: the epoch's mean.")
+    print(f"\n{args.arch} ({f'patch {args.patch_size}' if vit else f'window {args.window_size}'}), "
+          f"2 x {args.global_crop_size} + {args.local_crops_number} x {args.local_crop_size} px "
+          f"crops (DRLoc: one {args.global_crop_size} px view), batch {args.batch_size}, heads "
+          f"{args.head_hidden_dim}/{args.head_bottleneck_dim}/K={args.out_dim} (SelfPatch "
+          f"K_p={args.patch_out_dim}), {args.num_workers} loader worker(s), batched crops "
+          f"{args.batched_crops}; {args.warmup} warm-up + {args.steps} counted steps of each "
+          "method's own train_one_epoch. A step: from one batch handed out to the next (data wait "
+          "included); peak MB: above the memory in use before main(); loss: the epoch's mean.")
 
 
 def bench_rows(args, device, argv):
@@ -352,12 +393,14 @@ def bench_rows(args, device, argv):
     with tempfile.TemporaryDirectory() as output_dir:
         for precision in args.precisions:
             for name in args.methods:
-                row = measure_row(name, precision, args, device, str(Path(output_dir) / f"{name}_{precision}"))
+                row = measure_row(name, precision, args, device,
+                                  str(Path(output_dir) / f"{name}_{precision}"))
                 if isinstance(row, str):        # e.g. SelfPatch on a Swin, or fp16 on a CPU
                     print(f"{name} --precision {precision}: skipped ({row})", flush=True)
                 else:
                     rows.append(row)
-                    print(f"{name} {row['precision']}: {1e3 * row['median']:.0f} ms/step", flush=True)
+                    print(f"{name} {row['precision']}: {1e3 * row['median']:.0f} ms/step",
+                          flush=True)
     print_rows(rows, args)
     return rows
 
@@ -374,30 +417,35 @@ def recipe_configs(args):
 
 def bench_recipe(args, device, argv):
     print_header(device, argv)
-    configs, skip = recipe_configs(args), 1       # a round's first step waits for a cold loader
+    configs = recipe_configs(args)
+    skip = 1  # a round's first step waits for a cold loader
     runs = {name: dict(steps=[], losses=[], precision=None) for name in configs}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as output_dir:
         for round_ in range(args.recipe_rounds):
             for i, (name, flags) in enumerate(configs.items()):
-                argv_ = [*QUICKSTART, *flags, "--device", str(args.device), "--seed", str(args.seed),
+                argv_ = [*QUICKSTART, *flags, "--device", str(args.device),
+                         "--seed", str(args.seed),
                          "--epochs", "1", "--max_steps_per_epoch", str(args.recipe_steps + skip),
-                         "--saveckp_freq", "0", "--output_dir", str(Path(output_dir) / f"{round_}_{i}"),
-                         *args.recipe_flags.split()]
+                         "--saveckp_freq", "0", "--output_dir",
+                         str(Path(output_dir) / f"{round_}_{i}"), *args.recipe_flags.split()]
                 a, clocks, _, error = run_main(dino, argv_, device)
                 if error:
                     sys.exit(f"error: {name}: dino.py refused: {error}")
                 runs[name]["steps"] += clocks[0].steps(skip)
                 runs[name]["losses"].append(clocks[0].record.get("loss"))
-                runs[name]["precision"], runs[name]["batch"] = a.precision, a.batch_size_per_gpu
+                runs[name]["precision"] = a.precision
+                runs[name]["batch"] = a.batch_size_per_gpu
                 median = statistics.median(s[0] for s in clocks[0].steps(skip))
-                print(f"round {round_ + 1}/{args.recipe_rounds}, {name}: {median:.3f} s/step", flush=True)
+                print(f"round {round_ + 1}/{args.recipe_rounds}, {name}: {median:.3f} s/step",
+                      flush=True)
     results = {}
     for name, run in runs.items():
         times, waits, cpu = ([s[k] for s in run["steps"]] for k in range(3))
         median = statistics.median(times)
-        results[name] = dict(median=median, min=min(times), max=max(times), wait=statistics.median(waits),
-                             cpu=statistics.median(cpu), images_per_s=run["batch"] / median,
+        results[name] = dict(median=median, min=min(times), max=max(times),
+                             wait=statistics.median(waits), cpu=statistics.median(cpu),
+                             images_per_s=run["batch"] / median,
                              precision=run["precision"], loss=run["losses"][-1], steps=len(times))
     print_recipe(results, args, load_before)
     return results
@@ -405,31 +453,37 @@ def bench_recipe(args, device, argv):
 
 def print_recipe(results, args, load_before):
     first = next(iter(results.values()))
-    print(f"\nThe README quick start (dino.py, vit_pico/4, batch 128, 2 x 32 + 4 x 16 px, --precision auto"
-          f"{', ' + args.recipe_flags if args.recipe_flags else ''}): {args.recipe_rounds} interleaved round(s) of "
-          f"{args.recipe_steps} counted steps per configuration, {torch.get_num_threads()} torch thread(s); "
-          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs\n")
-    print("| configuration | precision | s/step median (min–max) | data wait s | img/s | vs the first | "
-          "CPU s/step | vs the first | loss (last round) |")
+    print("\nThe README quick start (dino.py, vit_pico/4, batch 128, 2 x 32 + 4 x 16 px, "
+          f"--precision auto{', ' + args.recipe_flags if args.recipe_flags else ''}): "
+          f"{args.recipe_rounds} interleaved round(s) of {args.recipe_steps} counted steps per "
+          f"configuration, {torch.get_num_threads()} torch thread(s); load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs\n")
+    print("| configuration | precision | s/step median (min–max) | data wait s | img/s | "
+          "vs the first | CPU s/step | vs the first | loss (last round) |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        print(f"| {name} | {r['precision']} | {r['median']:.3f} ({r['min']:.3f}–{r['max']:.3f}) | {r['wait']:.3f} | "
-              f"{r['images_per_s']:.0f} | {r['images_per_s'] / first['images_per_s']:.2f}x | {r['cpu']:.3f} | "
+        print(f"| {name} | {r['precision']} | {r['median']:.3f} "
+              f"({r['min']:.3f}–{r['max']:.3f}) | "
+              f"{r['wait']:.3f} | {r['images_per_s']:.0f} | "
+              f"{r['images_per_s'] / first['images_per_s']:.2f}x | {r['cpu']:.3f} | "
               f"{first['cpu'] / r['cpu']:.2f}x | {r['loss']:.4f} |")
     batched = results["batched crops, no loader worker"]
-    best = max((n for n in results if n.startswith("PIL")), key=lambda n: results[n]["images_per_s"])
-    print(f"\nbatched crops, no loader worker: {batched['images_per_s'] / results[best]['images_per_s']:.2f}x the "
-          f"images/s of the fastest PIL configuration ({best}) and {results[best]['cpu'] / batched['cpu']:.2f}x "
-          f"fewer CPU seconds per step. img/s = batch / median step (data wait included); CPU s/step: this "
-          f"process and its loader workers; vs the first: against the first row (CPU: its CPU s/step over this "
-          f"row's).")
+    best = max((n for n in results if n.startswith("PIL")),
+               key=lambda n: results[n]["images_per_s"])
+    print("\nbatched crops, no loader worker: "
+          f"{batched['images_per_s'] / results[best]['images_per_s']:.2f}x the images/s of the "
+          f"fastest PIL configuration ({best}) and {results[best]['cpu'] / batched['cpu']:.2f}x "
+          "fewer CPU seconds per step. img/s = batch / median step (data wait included); CPU "
+          "s/step: this process and its loader workers; vs the first: against the first row (CPU: "
+          "its CPU s/step over this row's).")
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = common.init_distributed(args.device)   # on CUDA: the authors' settings, as training applies them
+    # on CUDA: the authors' settings, as training applies them
+    device = common.init_distributed(args.device)
     args.device = str(device)
     wall = time.perf_counter()
     if args.recipe:

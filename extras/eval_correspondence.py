@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 
-# Run as `python extras/eval_correspondence.py` from anywhere: the project's modules sit one folder up.
+# Run as `python extras/eval_correspondence.py` from anywhere: the modules sit one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
@@ -64,7 +64,8 @@ import visualize  # noqa: E402  (this file's folder is on sys.path when it runs 
 CORRESPONDENCE_PROTOCOLS = ("esvit", "glsd", "overlap")
 
 
-CORRESPONDENCE_METRICS = ("top10_accuracy", "top10_distance", "accuracy", "distance", "chance_accuracy")
+CORRESPONDENCE_METRICS = ("top10_accuracy", "top10_distance", "accuracy", "distance",
+                          "chance_accuracy")
 
 
 def crop_view(img, box, size, flip):
@@ -74,8 +75,8 @@ def crop_view(img, box, size, flip):
     crop = TF.resized_crop(img, top, left, h, w, [size, size], TF.InterpolationMode.BICUBIC)
     crop = TF.hflip(crop) if flip else crop
     W, H = img.size
-    return crop, {"box": torch.tensor([left / W, top / H, w / W, h / H]), "flip": torch.tensor(flip),
-                  "image_size": torch.tensor([float(W), float(H)])}
+    return crop, {"box": torch.tensor([left / W, top / H, w / W, h / H]),
+                  "flip": torch.tensor(flip), "image_size": torch.tensor([float(W), float(H)])}
 
 
 class PairViews:
@@ -85,33 +86,42 @@ class PairViews:
 
     def __init__(self, protocol, crop_size=224, crops_scale=(0.4, 1.0), photometric=True):
         if protocol not in CORRESPONDENCE_PROTOCOLS:
-            common.die(f"unknown correspondence protocol {protocol!r}; choose one of {', '.join(CORRESPONDENCE_PROTOCOLS)}")
-        self.protocol, self.size, self.scale = protocol, crop_size, tuple(crops_scale)
+            common.die(f"unknown correspondence protocol {protocol!r}; choose one of "
+                       f"{', '.join(CORRESPONDENCE_PROTOCOLS)}")
+        self.protocol = protocol
+        self.size = crop_size
+        self.scale = tuple(crops_scale)
+        # DINO's colour augmentation
         colour = [transforms.RandomApply([transforms.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
-                  transforms.RandomGrayscale(p=0.2)] if photometric else []  # DINO's colour augmentation
-        self.augmented = transforms.Compose(colour + [transforms.ToTensor(),
-                                                      transforms.Normalize(common.IMAGENET_MEAN, common.IMAGENET_STD)])
+                  transforms.RandomGrayscale(p=0.2)] if photometric else []
+        normalize = transforms.Normalize(common.IMAGENET_MEAN, common.IMAGENET_STD)
+        self.augmented = transforms.Compose(colour + [transforms.ToTensor(), normalize])
         self.clean = transforms.Compose(self.augmented.transforms[-2:])
 
     def random_box(self, img):
-        top, left, h, w = transforms.RandomResizedCrop.get_params(img, list(self.scale), [3 / 4, 4 / 3])
+        top, left, h, w = transforms.RandomResizedCrop.get_params(img, list(self.scale),
+                                                                  [3 / 4, 4 / 3])
         return left, top, w, h
 
     def __call__(self, img):
         if self.protocol == "esvit":  # a centre crop vs its flipped, colour-jittered copy
             side = max(1, round(self.CENTER_CROP_FRACTION * min(img.size)))
             box = ((img.size[0] - side) // 2, (img.size[1] - side) // 2, side, side)
-            (v1, g1), (v2, g2) = crop_view(img, box, self.size, False), crop_view(img, box, self.size, True)
+            v1, g1 = crop_view(img, box, self.size, False)
+            v2, g2 = crop_view(img, box, self.size, True)
             return self.clean(v1), self.augmented(v2), g1, g2
         # glsd: one random box seen twice; overlap: two random boxes
-        boxes = [self.random_box(img)] * 2 if self.protocol == "glsd" else [self.random_box(img), self.random_box(img)]
-        (v1, g1), (v2, g2) = (crop_view(img, box, self.size, bool(torch.rand(1).item() < 0.5)) for box in boxes)
+        boxes = ([self.random_box(img)] * 2 if self.protocol == "glsd"
+                 else [self.random_box(img), self.random_box(img)])
+        (v1, g1), (v2, g2) = (crop_view(img, box, self.size, bool(torch.rand(1).item() < 0.5))
+                              for box in boxes)
         return self.augmented(v1), self.augmented(v2), g1, g2
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """(view 1, view 2, geometry 1, geometry 2, index, readable); pair i depends only on (seed, i). An
-    unreadable image (--skip_bad_images, evaluated: labelled SKIPPED) gives a pair that is not scored."""
+    """(view 1, view 2, geometry 1, geometry 2, index, readable); pair i depends only on (seed, i).
+    An unreadable image (--skip_bad_images, evaluated: labelled SKIPPED) gives a pair that is not
+    scored."""
 
     def __init__(self, base, views, seed=0):
         self.seeded = common.SeededDataset(base, views, seed)
@@ -129,9 +139,9 @@ def ground_truth(geometry1, geometry2, grid1, grid2):
     centre is nearest in the original image, and whether the token lies inside view 2's box:
     both [B, h1 * w1]. Token cells of a view tile its box in a regular grid, so the nearest centre
     is the centre of the cell that contains the point."""
-    xy = common.grid_centers(geometry1, grid1).double()                            # [B, T1, 2] original pixels
+    xy = common.grid_centers(geometry1, grid1).double()                # [B, T1, 2] original pixels
     box, size = geometry2["box"].double(), geometry2["image_size"].double()
-    uv = (xy / size[:, None] - box[:, None, :2]) / box[:, None, 2:]          # position in view 2, [0, 1) inside
+    uv = (xy / size[:, None] - box[:, None, :2]) / box[:, None, 2:]  # in view 2: [0, 1) inside it
     u = torch.where(geometry2["flip"].bool()[:, None], 1 - uv[..., 0], uv[..., 0])
     v = uv[..., 1]
     inside = (u >= 0) & (u < 1) & (v >= 0) & (v < 1)
@@ -148,7 +158,8 @@ def match_pairs(backbone, views1, views2, geometry1, geometry2):
     _, z1 = backbone.forward_dense(views1)
     _, z2 = backbone.forward_dense(views2)
     grid1, grid2 = tuple(z1.shape[1:3]), tuple(z2.shape[1:3])
-    z1, z2 = F.normalize(z1.flatten(1, 2).float(), dim=-1), F.normalize(z2.flatten(1, 2).float(), dim=-1)
+    z1 = F.normalize(z1.flatten(1, 2).float(), dim=-1)
+    z2 = F.normalize(z2.flatten(1, 2).float(), dim=-1)
     score, prediction = torch.einsum("bsd,btd->bst", z1, z2).max(dim=-1)   # first index on ties
     target, valid = ground_truth({k: v.to(z1.device) for k, v in geometry1.items()},
                                  {k: v.to(z1.device) for k, v in geometry2.items()}, grid1, grid2)
@@ -163,7 +174,8 @@ def pair_metrics(prediction, score, target, valid, grid2, top=10):
 
     w2 = grid2[1]
     correct = (prediction == target).double()
-    distance = torch.hypot((prediction // w2 - target // w2).double(), (prediction % w2 - target % w2).double())
+    distance = torch.hypot((prediction // w2 - target // w2).double(),
+                           (prediction % w2 - target % w2).double())
     # the `top` most similar tokens with a ground truth come first (the others score -inf)
     ranked = score.masked_fill(~valid, float("-inf")).topk(min(top, score.shape[1]), dim=1).indices
     in_top = torch.arange(ranked.shape[1], device=ranked.device) < valid.sum(1, keepdim=True)
@@ -185,9 +197,11 @@ def add_correspondence_sums(sums, metrics):
 def correspondence_means(sums):
     pairs = int(sums[-1].item())
     if not pairs:                              # a metric over no pair is none (not 0%)
-        common.die("no pair has a token whose match is known (the overlap protocol scores tokens inside both views "
-                   "only): there are no correspondence metrics; use more images or larger --crops_scale")
-    return {**{k: (sums[i] / max(pairs, 1)).item() for i, k in enumerate(CORRESPONDENCE_METRICS)}, "pairs": pairs}
+        common.die("no pair has a token whose match is known (the overlap protocol scores tokens "
+                   "inside both views only): there are no correspondence metrics; use more images "
+                   "or larger --crops_scale")
+    return {**{k: (sums[i] / max(pairs, 1)).item() for i, k in enumerate(CORRESPONDENCE_METRICS)},
+            "pairs": pairs}
 
 PROTOCOLS = CORRESPONDENCE_PROTOCOLS
 
@@ -202,21 +216,28 @@ def get_args_parser():
     eval_knn.add_weights_args(p)
     g = p.add_argument_group("correspondence")
     g.add_argument("--protocols", default=list(PROTOCOLS), nargs="+", choices=PROTOCOLS,
-                   help="esvit (centre crop vs its flipped, jittered copy), glsd (one random crop seen "
-                        "twice), overlap (two random crops, scored inside their overlap)")
+                   help="esvit (centre crop vs its flipped, jittered copy), glsd (one random crop "
+                        "seen twice), overlap (two random crops, scored inside their overlap)")
     g.add_argument("--crop_size", default=224, type=common.POSITIVE_INT,
-                   help="side of both views in pixels; a multiple of the token stride (ViT patch; 32 for Swin-T, 8 for swin_pico3)")
+                   help="side of both views in pixels; a multiple of the token stride (ViT patch; "
+                        "32 for Swin-T, 8 for swin_pico3)")
     g.add_argument("--crops_scale", default=(0.4, 1.0), type=common.AREA_FRACTION, nargs=2,
-                   help="area range of the random crops of the glsd and overlap protocols (DINO's global crops)")
+                   help="area range of the random crops of the glsd and overlap protocols (DINO's "
+                        "global crops)")
     g.add_argument("--photometric", default=True, type=common.bool_flag,
-                   help="colour jitter and random grayscale on the augmented views (false: geometry only)")
-    g.add_argument("--split", default="test", choices=["train", "test"], help="which split's images to pair")
-    g.add_argument("--max_images", default=0, type=common.COUNT, help="use the first N images of the split (0 = all)")
+                   help="colour jitter and random grayscale on the augmented views (false: "
+                        "geometry only)")
+    g.add_argument("--split", default="test", choices=["train", "test"],
+                   help="which split's images to pair")
+    g.add_argument("--max_images", default=0, type=common.COUNT,
+                   help="use the first N images of the split (0 = all)")
     g.add_argument("--save_pictures", default=None, type=str,
-                   help="write the top-10 matches of the first --num_pictures pairs of every protocol as PNGs here")
-    g.add_argument("--num_pictures", default=8, type=common.COUNT, help="pairs drawn per protocol with --save_pictures")
-    common.add_data_args(p).add_argument("--batch_size_per_gpu", default=64, type=common.POSITIVE_INT,
-                                         help="pairs per process")
+                   help="write the top-10 matches of the first --num_pictures pairs of every "
+                        "protocol as PNGs here")
+    g.add_argument("--num_pictures", default=8, type=common.COUNT,
+                   help="pairs drawn per protocol with --save_pictures")
+    common.add_data_args(p).add_argument("--batch_size_per_gpu", default=64,
+                                         type=common.POSITIVE_INT, help="pairs per process")
     eval_knn.add_eval_run_args(p)
     return p
 
@@ -225,13 +246,15 @@ def get_args_parser():
 # Scoring a split
 # ================================================================================================
 def format_metrics(name, m):
-    return (f"{name}: top-10 accuracy {m['top10_accuracy']:.2f}%, distance {m['top10_distance']:.3f} cells | "
-            f"all tokens: accuracy {m['accuracy']:.2f}% (chance {m['chance_accuracy']:.2f}%), "
-            f"distance {m['distance']:.3f} cells | {m['pairs']} pairs")
+    return (f"{name}: top-10 accuracy {m['top10_accuracy']:.2f}%, distance "
+            f"{m['top10_distance']:.3f} cells | all tokens: accuracy {m['accuracy']:.2f}% (chance "
+            f"{m['chance_accuracy']:.2f}%), distance {m['distance']:.3f} cells | "
+            f"{m['pairs']} pairs")
 
 
 @torch.no_grad()
-def evaluate(backbone, pairs, batch_size, num_workers, device, picture_dir=None, num_pictures=0, name="pairs"):
+def evaluate(backbone, pairs, batch_size, num_workers, device, picture_dir=None, num_pictures=0,
+             name="pairs"):
     """Metrics over `pairs` (a `PairDataset`). Every process scores pairs rank, rank + world,
     ...; the sums are all-reduced, so every process returns the same dict. Pictures: pairs whose
     index is below `num_pictures`, written by the process that scored them."""
@@ -243,12 +266,13 @@ def evaluate(backbone, pairs, batch_size, num_workers, device, picture_dir=None,
     for v1, v2, g1, g2, index, readable in common.progress(loader, desc=name):
         v1, v2 = v1.to(device, non_blocking=True), v2.to(device, non_blocking=True)
         prediction, score, target, valid, grid2 = match_pairs(backbone, v1, v2, g1, g2)
-        valid &= readable.to(valid.device)[:, None]              # an unreadable image's pair is not scored
+        valid &= readable.to(valid.device)[:, None]  # an unreadable image's pair is not scored
         add_correspondence_sums(sums, pair_metrics(prediction, score, target, valid, grid2))
         if picture_dir and num_pictures:
             for b in ((index < num_pictures) & readable).nonzero().flatten().tolist():
-                visualize.save_top_matches(Path(picture_dir) / f"{name}_{int(index[b]):04d}.png", v1[b], v2[b],
-                                           prediction[b], score[b], target[b], valid[b], grid2)
+                visualize.save_top_matches(Path(picture_dir) / f"{name}_{int(index[b]):04d}.png",
+                                           v1[b], v2[b], prediction[b], score[b], target[b],
+                                           valid[b], grid2)
     return correspondence_means(common.all_reduce_sum(sums))
 
 
@@ -260,18 +284,21 @@ def main(args):
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     common.check_scale_range("--crops_scale", args.crops_scale)
-    if args.save_pictures:         # before any work: a file of that name is one line, not a late traceback
+    if args.save_pictures:  # before any work: a file of that name is one line, not a late traceback
         common.make_folder(args.save_pictures, "--save_pictures")
-    model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch, args.patch_size,
-                                       args.window_size, args.random_init, args.crop_size, "--crop_size")
+    model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
+                                         args.patch_size, args.window_size, args.random_init,
+                                         args.crop_size, "--crop_size")
     backbone = eval_knn.dense_backbone(model).to(device)
     stride = common.token_stride(info["arch"], info["patch_size"])
     if args.crop_size % stride:
-        common.die(f"--crop_size {args.crop_size} is not a multiple of the {info['arch']} token stride ({stride} px); "
-                   f"use e.g. {max(stride, args.crop_size // stride * stride)}")
+        common.die(f"--crop_size {args.crop_size} is not a multiple of the {info['arch']} token "
+                   f"stride ({stride} px); use e.g. "
+                   f"{max(stride, args.crop_size // stride * stride)}")
     images = common.build_dataset(args, train=args.split == "train")
-    if isinstance(getattr(images, "dataset", images), common.ImageFolderSafe):     # (a --holdout Subset's folder)
-        getattr(images, "dataset", images).substitute = False     # unreadable: left out, not its neighbour twice
+    # (a --holdout Subset's folder) unreadable images are left out, not their neighbour twice
+    if isinstance(getattr(images, "dataset", images), common.ImageFolderSafe):
+        getattr(images, "dataset", images).substitute = False
     if args.max_images:
         images = torch.utils.data.Subset(images, range(min(args.max_images, len(images))))
     common.log(f"data: {len(images)} {args.split} images, {args.crop_size} px views, "
@@ -280,12 +307,13 @@ def main(args):
     for protocol in args.protocols:
         views = PairViews(protocol, args.crop_size, args.crops_scale, args.photometric)
         pairs = PairDataset(images, views, args.seed)
-        results[protocol] = evaluate(backbone, pairs, args.batch_size_per_gpu, args.num_workers, device,
-                                     args.save_pictures, args.num_pictures, name=protocol)
+        results[protocol] = evaluate(backbone, pairs, args.batch_size_per_gpu, args.num_workers,
+                                     device, args.save_pictures, args.num_pictures, name=protocol)
         common.log(format_metrics(protocol, results[protocol]))
     if args.save_pictures and args.num_pictures:
-        common.log(f"pictures of the top-10 matches of the first {min(args.num_pictures, len(images))} pairs of "
-                   f"each protocol in {args.save_pictures}")
+        common.log("pictures of the top-10 matches of the first "
+                   f"{min(args.num_pictures, len(images))} pairs of each protocol in "
+                   f"{args.save_pictures}")
     return results
 
 

@@ -1,13 +1,16 @@
-"""The first GPU run in one command: every training script at paper size, the GPU-only paths, a summary.
+"""The first GPU run in one command: every training script at paper size, the GPU-only paths, a
+summary.
 
-    python extras/gpu_check.py                 # 1+ GPUs: 2.3 min on one H200 (docs/FIRST_GPU_RUN.md), no download
-    python extras/gpu_check.py --device cpu    # the reduced form: tiny models, gloo (tests/test_gpu_check.py)
+    python extras/gpu_check.py               # 1+ GPUs: 2.3 min on one H200, no download
+    python extras/gpu_check.py --device cpu  # the reduced form (tiny models, gloo) that
+                                             # tests/test_gpu_check.py runs
 
-Each part (docs/FIRST_GPU_RUN.md lists them and what each line should show) runs in its own processes, forked from
-this one (torch is imported once) with torchrun's environment, so every script runs inside a process group (NCCL;
-one rank on one GPU); a part is skipped when a part it needs failed. Every part's flags are parsed by its script's
-own parser before anything runs; rank r's output is in --out/<part>.rank<r>.log, whose first line is the command
-that repeats the part by hand.
+Each part (docs/FIRST_GPU_RUN.md lists them and what each line should show) runs in its own
+processes, forked from this one (torch is imported once) with torchrun's environment, so every
+script runs inside a process group (NCCL; one rank on one GPU); a part is skipped when a part it
+needs failed. Every part's flags are parsed by its script's own parser before anything runs; rank
+r's output is in --out/<part>.rank<r>.log, whose first line is the command that repeats the part by
+hand.
 """
 import argparse
 import atexit
@@ -35,39 +38,51 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
 TORCH_DIR = os.path.dirname(torch.__file__)
-CUDA_SYNC = "called a synchronizing CUDA operation"   # not the once-only 'Synchronization debug mode is a prototype'
-HOST_SIDE = tuple(os.path.join(TORCH_DIR, d, "") for d in ("optim", "amp"))   # torch's reads of host tensors
+# not the once-only 'Synchronization debug mode is a prototype'
+CUDA_SYNC = "called a synchronizing CUDA operation"
+# torch's reads of host tensors
+HOST_SIDE = tuple(os.path.join(TORCH_DIR, d, "") for d in ("optim", "amp"))
 aten = torch.ops.aten
 
 
 # ======== Host syncs, counted on any device =======================================================
 class SyncCounter(TorchDispatchMode):
-    """While active, counts what makes the host wait for a GPU: reading a tensor's value (`.item()`, `bool()`,
-    `float()`, `.tolist()`, `.numpy()`), operations whose output size depends on the data (`nonzero`,
-    boolean-mask indexing, `unique`, ...), and copies to or from the host that do not say `non_blocking=True`
-    (`torch.tensor(..., device=)`, `.to(device)`, `.cpu()`). On a CPU every tensor lives on the host, so the
-    counter counts what *would* wait on a GPU; it leaves out torch's own reads in torch/optim (step counters
-    kept on the host) and torch/amp (the fp16 grad scaler's one per step, which CUDA's count shows). `sites`
-    names the line of each (file:line -> count). On CUDA it also takes CUDA's own count (`cuda`), from
+    """While active, counts what makes the host wait for a GPU: reading a tensor's value
+    (`.item()`, `bool()`, `float()`, `.tolist()`, `.numpy()`), operations whose output size depends
+    on the data (`nonzero`, boolean-mask indexing, `unique`, ...), and copies to or from the host
+    that do not say `non_blocking=True` (`torch.tensor(..., device=)`, `.to(device)`, `.cpu()`). On
+    a CPU every tensor lives on the host, so the counter counts what *would* wait on a GPU; it
+    leaves out torch's own reads in torch/optim (step counters kept on the host) and torch/amp (the
+    fp16 grad scaler's one per step, which CUDA's count shows). `sites` names the line of each
+    (file:line -> count). On CUDA it also takes CUDA's own count (`cuda`), from
     `torch.cuda.set_sync_debug_mode`."""
-    DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
-                      aten.unique_consecutive.default, aten.equal.default, aten.repeat_interleave.Tensor,
-                      aten.bincount.default, aten._local_scalar_dense.default}
+    DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
+                      aten.unique_dim.default, aten.unique_consecutive.default, aten.equal.default,
+                      aten.repeat_interleave.Tensor, aten.bincount.default,
+                      aten._local_scalar_dense.default}
     BOOL_INDEXED = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
 
     def __init__(self):
         super().__init__()
-        self.count, self.sites, self.saved, self.cuda, self.cuda_sites, self.caught = 0, {}, {}, None, {}, None
+        self.count = 0
+        self.sites = {}
+        self.saved = {}
+        self.cuda = None
+        self.cuda_sites = {}
+        self.caught = None
 
     def note(self, cuda=False):
-        """One sync, named by the first line outside torch, the warnings module and this file that made it:
-        torch's own host-side reads are left out; CUDA's warnings (`cuda`) come from any thread."""
+        """One sync, named by the first line outside torch, the warnings module and this file that
+        made it: torch's own host-side reads are left out; CUDA's warnings (`cuda`) come from any
+        thread."""
         frame = sys._getframe(2)
-        while frame is not None and frame.f_code.co_filename.startswith((TORCH_DIR, warnings.__file__, __file__)):
+        skipped = (TORCH_DIR, warnings.__file__, __file__)
+        while frame is not None and frame.f_code.co_filename.startswith(skipped):
             if not cuda and frame.f_code.co_filename.startswith(HOST_SIDE):
                 return
             frame = frame.f_back
-        site = "?" if frame is None else f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno}"
+        site = ("?" if frame is None
+                else f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno}")
         sites = self.cuda_sites if cuda else self.sites
         sites[site] = sites.get(site, 0) + 1
 
@@ -80,8 +95,9 @@ class SyncCounter(TorchDispatchMode):
     def patch(self, owner, name, counts):
         original = self.saved[(owner, name)] = getattr(owner, name)
 
-        def counted(*args, **kwargs):             # torch's own calls of these keep tensors where they are
-            if not sys._getframe(1).f_code.co_filename.startswith(TORCH_DIR) and counts(*args, **kwargs):
+        def counted(*args, **kwargs):  # torch's own calls of these keep tensors where they are
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.startswith(TORCH_DIR) and counts(*args, **kwargs):
                 self.note()
             return original(*args, **kwargs)
         setattr(owner, name, counted)
@@ -95,11 +111,13 @@ class SyncCounter(TorchDispatchMode):
         self.patch(torch.Tensor, "to", blocking_copy)
         for name in ("tensor", "as_tensor"):
             self.patch(torch, name, lambda *a, device=None, **k: device is not None)
-        if torch.cuda.is_initialized():           # and CUDA's own count: a warning at every synchronising call
-            self.caught, shown = warnings.catch_warnings(), warnings.showwarning
+        if torch.cuda.is_initialized():  # and CUDA's count: a warning at every synchronising call
+            self.caught = warnings.catch_warnings()
+            shown = warnings.showwarning
             self.caught.__enter__()
             warnings.simplefilter("always")
-            warnings.showwarning = lambda msg, *a, **k: self.note(cuda=True) if CUDA_SYNC in str(msg) else shown(msg, *a, **k)
+            warnings.showwarning = lambda msg, *a, **k: (
+                self.note(cuda=True) if CUDA_SYNC in str(msg) else shown(msg, *a, **k))
             torch.cuda.set_sync_debug_mode(1)
         return super().__enter__()
 
@@ -111,7 +129,8 @@ class SyncCounter(TorchDispatchMode):
         if self.caught:
             torch.cuda.set_sync_debug_mode(0)
             self.caught.__exit__(*exc)
-            self.caught, self.cuda = None, sum(self.cuda_sites.values())
+            self.caught = None
+            self.cuda = sum(self.cuda_sites.values())
         return super().__exit__(*exc)
 
 
@@ -131,27 +150,30 @@ class Probe:
     def stop_counting(self, keep=True):
         if self.counter:
             self.counter.__exit__(None, None, None)
-            self.syncs += [{"counter": self.counter.count, "cuda": self.counter.cuda, "sites": self.counter.sites,
+            self.syncs += [{"counter": self.counter.count, "cuda": self.counter.cuda,
+                            "sites": self.counter.sites,
                             "cuda_sites": self.counter.cuda_sites}] * keep
             self.counter = None
 
     def clock(self, iterator):
-        self.open = None                                     # a batch fetched at an epoch's end and left
+        self.open = None  # a batch fetched at an epoch's end and left
         self.stop_counting(keep=False)
         while True:
             asked = time.perf_counter()
-            if self.open:                                    # the step before has ended: it asks for the next batch
+            if self.open:  # the step before has ended: it asks for the next batch
                 self.steps.append((self.open[0], asked - self.open[1]))
                 self.open = self.stop_counting()
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
-            got, n = time.perf_counter(), len(self.steps)
+            got = time.perf_counter()
+            n = len(self.steps)
             self.open = (got - asked, got)
             if n == self.preempt_at and common.is_main_process():
                 self.preempt_at = -1
-                os.kill(os.getpid(), signal.SIGTERM)         # a real signal, handled by the script's own handler
+                # a real signal, handled by the script's own handler
+                os.kill(os.getpid(), signal.SIGTERM)
             if self.sync_from <= n < self.sync_to and not self.counter:
                 self.counter = SyncCounter().__enter__()
             yield batch
@@ -161,20 +183,24 @@ def clocked(loader, probe):
     """`loader` itself, iterated through `probe.clock` (a persistent loader is wrapped once)."""
     base = type(loader)
     if base.__name__ != "Clocked":
-        loader.__class__ = type("Clocked", (base,), {"__iter__": lambda self: probe.clock(base.__iter__(self))})
+        loader.__class__ = type("Clocked", (base,),
+                                {"__iter__": lambda self: probe.clock(base.__iter__(self))})
     return loader
 
 
 def run_part(part, rank, port, out):
-    """The body of one process of a part: torchrun's environment, output to its log, the script's own
-    entry point (`common.run_script`) with `train_one_epoch`'s loader clocked; never returns."""
-    os.setpgid(0, 0)                                         # the parent ends the whole group on a timeout
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)            # not the parent's (below); the script sets its own
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(part.nproc), GROUP_RANK="0",
-                      LOCAL_WORLD_SIZE=str(part.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **part.env)
+    """The body of one process of a part: torchrun's environment, output to its log, the script's
+    own entry point (`common.run_script`) with `train_one_epoch`'s loader clocked; never returns."""
+    os.setpgid(0, 0)  # the parent ends the whole group on a timeout
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the script sets its own, not the parent's
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(part.nproc),
+                      GROUP_RANK="0", LOCAL_WORLD_SIZE=str(part.nproc), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), **part.env)
     with open(out / f"{part.name}.rank{rank}.log", "w") as log:
-        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
-    probe, code = Probe(*part.sync_window, preempt_at=part.preempt_at), 1
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    probe = Probe(*part.sync_window, preempt_at=part.preempt_at)
+    code = 1
     print(f"# {part.command()}", flush=True)
     try:
         module = importlib.import_module(part.script)
@@ -193,9 +219,11 @@ def run_part(part, rank, port, out):
     finally:
         probe.stop_counting()
         if rank == 0:
-            (out / f"{part.name}.json").write_text(json.dumps({"steps": probe.steps, "syncs": probe.syncs}))
-        atexit._run_exitfuncs()           # the script's exit handlers (loader workers), then the buffers
-        sys.stdout.flush(), sys.stderr.flush()
+            report = {"steps": probe.steps, "syncs": probe.syncs}
+            (out / f"{part.name}.json").write_text(json.dumps(report))
+        atexit._run_exitfuncs()  # the script's exit handlers (loader workers), then the buffers
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
 
 
@@ -210,24 +238,31 @@ class Part:
     env: dict = field(default_factory=dict)
     sync_window: tuple = (0, 0)
     preempt_at: int = -1
-    start_from: str = None      # a part whose checkpoint.pth is copied into this part's --output_dir first
+    # a part whose checkpoint.pth is copied into this part's --output_dir first
+    start_from: str = None
 
     def command(self):
-        return " ".join([*(f"{k}={v}" for k, v in self.env.items()), "torchrun --nproc_per_node", str(self.nproc),
-                         f"{self.script}.py", *self.argv])
+        return " ".join([*(f"{k}={v}" for k, v in self.env.items()), "torchrun --nproc_per_node",
+                         str(self.nproc), f"{self.script}.py", *self.argv])
 
 
 ARCH = {"dino": "vit", "esvit": "swin", "glsd": "swin", "selfpatch": "vit", "drloc": "swin"}
 FORMS = {
-    "gpu": dict(steps=25, warmup=5, syncs=5, preempt=10, size=256, eval_images=2048, linear_epochs=5, pairs=["dino"], pair_steps=4,
-                batch={"dino": 64, "esvit": 32, "glsd": 32, "selfpatch": 64, "drloc": 128},   # the scripts' defaults
-                arch={"vit": ["--arch", "vit_small"], "swin": ["--arch", "swin_tiny"]}, ssl=[], selfpatch=[], drloc=["--val_subset", "512"],
-                eval=["--batch_size_per_gpu", "128"]),
-    "cpu": dict(steps=3, warmup=1, syncs=2, preempt=1, size=64, eval_images=64, linear_epochs=2, batch=dict.fromkeys(ARCH, 8),
+    "gpu": dict(steps=25, warmup=5, syncs=5, preempt=10, size=256, eval_images=2048,
+                linear_epochs=5, pairs=["dino"], pair_steps=4,
+                # the scripts' defaults
+                batch={"dino": 64, "esvit": 32, "glsd": 32, "selfpatch": 64, "drloc": 128},
+                arch={"vit": ["--arch", "vit_small"], "swin": ["--arch", "swin_tiny"]}, ssl=[],
+                selfpatch=[], drloc=["--val_subset", "512"], eval=["--batch_size_per_gpu", "128"]),
+    "cpu": dict(steps=3, warmup=1, syncs=2, preempt=1, size=64, eval_images=64, linear_epochs=2,
+                batch=dict.fromkeys(ARCH, 8),
                 pairs=["dino", "esvit", "glsd", "selfpatch"], pair_steps=2, pair_batch=4,
-                arch={"vit": ["--arch", "vit_pico", "--patch_size", "8"], "swin": ["--arch", "swin_pico"]},
-                ssl=["--global_crop_size", "64", "--local_crop_size", "32", "--local_crops_number", "2", "--out_dim", "64",
-                     "--head_hidden_dim", "64", "--head_bottleneck_dim", "32"], selfpatch=["--patch_out_dim", "64"],
+                arch={"vit": ["--arch", "vit_pico", "--patch_size", "8"],
+                      "swin": ["--arch", "swin_pico"]},
+                ssl=["--global_crop_size", "64", "--local_crop_size", "32",
+                     "--local_crops_number", "2", "--out_dim", "64",
+                     "--head_hidden_dim", "64", "--head_bottleneck_dim", "32"],
+                selfpatch=["--patch_out_dim", "64"],
                 drloc=["--input_size", "64", "--val_subset", "8"],
                 eval=["--batch_size_per_gpu", "16", "--resize", "64", "--crop", "64"]),
 }
@@ -235,44 +270,60 @@ FORMS = {
 
 def plan(form, gpus, out):
     """The parts of the GPU form (`gpus` GPUs) or of the CPU form, writing under `out`."""
-    f, out = FORMS[form], Path(out)
+    f = FORMS[form]
+    out = Path(out)
     device = ["--device", "cpu", "--num_workers", "0"] if form == "cpu" else []
     data = ["--dataset", "synthetic", "--synthetic_image_size", str(f["size"])]
 
-    def train(method, name=None, steps=f["steps"], epochs=2, batch=None, extra=(), images=None, **kw):
+    def train(method, name=None, steps=f["steps"], epochs=2, batch=None, extra=(), images=None,
+              **kw):
         batch = batch or f["batch"][method]
-        argv = [*f["arch"][ARCH[method]], *data, "--synthetic_images", str(images or batch * steps), "--batch_size_per_gpu",
-                str(batch), "--epochs", str(epochs), "--max_steps_per_epoch", str(steps), "--warmup_epochs", "1",
-                "--precision", "auto", "--saveckp_freq", "0", "--output_dir", str(out / (name or method)), *device,
-                *(f["drloc"] + ["--lambda_schedule", "constant"] if method == "drloc" else f["ssl"]),
+        argv = [*f["arch"][ARCH[method]], *data,
+                "--synthetic_images", str(images or batch * steps),
+                "--batch_size_per_gpu", str(batch), "--epochs", str(epochs),
+                "--max_steps_per_epoch", str(steps), "--warmup_epochs", "1",
+                "--precision", "auto", "--saveckp_freq", "0",
+                "--output_dir", str(out / (name or method)), *device,
+                *(f["drloc"] + ["--lambda_schedule", "constant"] if method == "drloc"
+                  else f["ssl"]),
                 *(f["selfpatch"] if method == "selfpatch" else []), *extra]
         return Part(name or method, method, argv, **kw)
 
     parts = [train(m, sync_window=(f["warmup"], f["warmup"] + f["syncs"])) for m in ARCH]
     parts += [train("dino", "dino_preempted", preempt_at=f["preempt"]),
-              train("dino", "dino_resumed", needs=("dino", "dino_preempted"), start_from="dino_preempted"),
-              train("dino", "dino_fp16", epochs=3, needs=("dino",), start_from="dino", extra=["--precision", "fp16"])]
-    weights = ["--pretrained_weights", str(out / "dino" / "checkpoint.pth"), *data, "--synthetic_images",
-               str(f["eval_images"]), *f["eval"], *device]
+              train("dino", "dino_resumed", needs=("dino", "dino_preempted"),
+                    start_from="dino_preempted"),
+              train("dino", "dino_fp16", epochs=3, needs=("dino",), start_from="dino",
+                    extra=["--precision", "fp16"])]
+    weights = ["--pretrained_weights", str(out / "dino" / "checkpoint.pth"), *data,
+               "--synthetic_images", str(f["eval_images"]), *f["eval"], *device]
     ranks = min(gpus, 2) if gpus else 2
-    parts += [Part("eval_knn", "eval_knn", [*weights, "--nb_knn", "5", "20"], ranks, needs=("dino",)),
-              Part("eval_linear", "eval_linear", [*weights, "--precomputed_features", "true", "--epochs",
-                   str(f["linear_epochs"]), "--output_dir", str(out / "eval_linear")], ranks, needs=("dino",)),
+    parts += [Part("eval_knn", "eval_knn", [*weights, "--nb_knn", "5", "20"], ranks,
+                   needs=("dino",)),
+              Part("eval_linear", "eval_linear",
+                   [*weights, "--precomputed_features", "true", "--epochs",
+                    str(f["linear_epochs"]), "--output_dir", str(out / "eval_linear")], ranks,
+                   needs=("dino",)),
               train("glsd", "glsd_batched", epochs=1, extra=["--batched_crops", "true"])]
-    for method in f["pairs"] if form == "cpu" or gpus >= 2 else []:   # fp32 without TF32: rounding apart only
+    # fp32 without TF32: rounding apart only
+    for method in f["pairs"] if form == "cpu" or gpus >= 2 else []:
         batch = f.get("pair_batch") or f["batch"][method]
-        same = dict(steps=f["pair_steps"], epochs=1, images=2 * batch * f["pair_steps"], batch=batch,
-                    env={"NVIDIA_TF32_OVERRIDE": "0"}, extra=["--drop_path_rate", "0", "--precision", "fp32"])
+        same = dict(steps=f["pair_steps"], epochs=1, images=2 * batch * f["pair_steps"],
+                    batch=batch, env={"NVIDIA_TF32_OVERRIDE": "0"},
+                    extra=["--drop_path_rate", "0", "--precision", "fp32"])
         parts += [train(method, f"{method}_one_process", **{**same, "batch": 2 * batch}),
-                  train(method, f"{method}_two_processes", nproc=2, needs=(f"{method}_one_process",), **same)]
+                  train(method, f"{method}_two_processes", nproc=2,
+                        needs=(f"{method}_one_process",), **same)]
     return parts
 
 
 def check_commands(parts):
-    """Parse every part's flags with its script's own parser: a wrong flag stops here, not after minutes."""
+    """Parse every part's flags with its script's own parser: a wrong flag stops here, not after
+    minutes."""
     for part in parts:
         parser = importlib.import_module(part.script).get_args_parser()
-        parser.exit = lambda status=0, message=None: common.die(f"part {part.name}: {(message or '').strip()}")
+        parser.exit = lambda status=0, message=None: common.die(
+            f"part {part.name}: {(message or '').strip()}")
         parser.error = lambda message: common.die(f"part {part.name}: {part.script}.py {message}")
         parser.parse_args(part.argv)
 
@@ -293,9 +344,13 @@ def launch(part, out, timeout):
     if part.start_from:
         (out / part.name).mkdir(parents=True, exist_ok=True)
         shutil.copy(out / part.start_from / "checkpoint.pth", out / part.name / "checkpoint.pth")
-    with socket.socket() as sock:                               # a free port for the group's rendezvous
+    with socket.socket() as sock:  # a free port for the group's rendezvous
         sock.bind(("127.0.0.1", 0))
-        port, start, pids, status, timed_out = sock.getsockname()[1], time.time(), [], {}, False
+        port = sock.getsockname()[1]
+    start = time.time()
+    pids = []
+    status = {}  # pid -> exit status
+    timed_out = False
     for rank in range(part.nproc):
         pid = os.fork()
         if pid == 0:
@@ -312,7 +367,8 @@ def launch(part, out, timeout):
         if any(status.values()):
             deadline = min(deadline, time.time() + 30)
         if time.time() > deadline and len(status) < len(pids):
-            timed_out, rest = True, [p for p in pids if p not in status]
+            timed_out = True
+            rest = [p for p in pids if p not in status]
             end(rest)
             status.update((p, os.waitstatus_to_exitcode(os.waitpid(p, 0)[1])) for p in rest)
     _running.clear()
@@ -320,7 +376,8 @@ def launch(part, out, timeout):
 
 
 # ======== What each part should show ==============================================================
-SYNCS_PER_STEP = dict.fromkeys(ARCH, 1)      # docs/FIRST_GPU_RUN.md; tests/test_gpu_check.py keeps it true on CPUs
+# docs/FIRST_GPU_RUN.md; tests/test_gpu_check.py keeps it true on CPUs
+SYNCS_PER_STEP = dict.fromkeys(ARCH, 1)
 
 
 def records(folder):
@@ -334,18 +391,25 @@ def output(out, name, rank=0):
 
 
 def training(part, out, form, problems):
-    """The line of a training part: precision, step time, data wait, images/s, peak memory, loss, syncs."""
-    folder, f = out / part.name, FORMS[form]
-    logged, args = records(folder), json.loads((folder / "args.json").read_text())
+    """The line of a training part: precision, step time, data wait, images/s, peak memory, loss,
+    syncs."""
+    folder = out / part.name
+    f = FORMS[form]
+    logged = records(folder)
+    args = json.loads((folder / "args.json").read_text())
     if not logged or not all(math.isfinite(r["loss"]) for r in logged):
         problems.append("a missing or non-finite loss in log.txt")
     report = json.loads((out / f"{part.name}.json").read_text())
     steps = [(w, w + c) for i, (w, c) in enumerate(report["steps"])
-             if i >= f["warmup"] and not part.sync_window[0] <= i < part.sync_window[1]] or [(0, math.nan)]
-    step, wait = statistics.median(s for _, s in steps), statistics.median(w for w, _ in steps)
-    text = (f"{args['precision']}{' (auto)' if args.get('precision_auto') else ''}, {1e3 * step:.0f} ms/step, data wait "
-            f"{1e3 * wait:.0f} ms, {args['batch_size_per_gpu'] * part.nproc / step:.0f} img/s, "
-            f"{max(r['peak_memory_mb'] for r in logged):,.0f} MB, loss {logged[-1]['loss']:.4g}" if logged else "no log")
+             if i >= f["warmup"] and not part.sync_window[0] <= i < part.sync_window[1]]
+    steps = steps or [(0, math.nan)]
+    step = statistics.median(s for _, s in steps)
+    wait = statistics.median(w for w, _ in steps)
+    text = (f"{args['precision']}{' (auto)' if args.get('precision_auto') else ''}, "
+            f"{1e3 * step:.0f} ms/step, data wait {1e3 * wait:.0f} ms, "
+            f"{args['batch_size_per_gpu'] * part.nproc / step:.0f} img/s, "
+            f"{max(r['peak_memory_mb'] for r in logged):,.0f} MB, loss {logged[-1]['loss']:.4g}"
+            if logged else "no log")
     if report["syncs"]:
         counter = max(s["counter"] for s in report["syncs"])
         cuda = [s["cuda"] for s in report["syncs"] if s["cuda"] is not None]
@@ -354,23 +418,28 @@ def training(part, out, form, problems):
         if counter > allowed or (cuda and max(cuda) > allowed + (args["precision"] == "fp16")):
             sites = {k: v for s in report["syncs"] for k, v in s["sites"].items()}
             cuda_sites = {k: v for s in report["syncs"] for k, v in s.get("cuda_sites", {}).items()}
-            problems.append(f"more than {allowed} host sync(s) per step (counted at {sites}; CUDA's at {cuda_sites})")
+            problems.append(f"more than {allowed} host sync(s) per step (counted at {sites}; "
+                            f"CUDA's at {cuda_sites})")
     return text, step
 
 
 def rms(tensors):
-    return math.sqrt(sum(t.double().pow(2).sum().item() for t in tensors) / max(sum(t.numel() for t in tensors), 1))
+    total = sum(t.double().pow(2).sum().item() for t in tensors)
+    return math.sqrt(total / max(sum(t.numel() for t in tensors), 1))
 
 
 def compare_runs(a, b, method):
-    """How far apart two runs of `method` ended: the RMS difference of student and teacher over how far the
-    student moved (the RMS of student - teacher), and of the loss's centres over their own RMS."""
+    """How far apart two runs of `method` ended: the RMS difference of student and teacher over how
+    far the student moved (the RMS of student - teacher), and of the loss's centres over their own
+    RMS."""
     def floats(state):
-        return [state[k] for k in sorted(state) if torch.is_tensor(state[k]) and state[k].is_floating_point()]
-    moved, gap = rms([s - t for s, t in zip(floats(a["student"]), floats(a["teacher"]))]), {}
+        return [state[k] for k in sorted(state)
+                if torch.is_tensor(state[k]) and state[k].is_floating_point()]
+    moved = rms([s - t for s, t in zip(floats(a["student"]), floats(a["teacher"]))])
+    gap = {}
     for key in ("student", "teacher", f"{method}_loss"):
-        gap[key] = rms([x - y for x, y in zip(floats(a[key]), floats(b[key]))]) / (moved if key in ("student", "teacher")
-                                                                                       else rms(floats(a[key])))
+        difference = rms([x - y for x, y in zip(floats(a[key]), floats(b[key]))])
+        gap[key] = difference / (moved if key in ("student", "teacher") else rms(floats(a[key])))
     return gap
 
 
@@ -379,46 +448,63 @@ def checkpoint(out, name):
 
 
 def evaluate(part, result, out, form, steps):
-    """(passed, the summary line's text) of a part that ran; `steps` collects median steps by part."""
+    """(passed, the summary line's text) of a part that ran; `steps` collects median steps by
+    part."""
     codes, seconds, timed_out = result
     if timed_out or any(codes):
-        last = next((line for line in reversed(output(out, part.name, next(
-            (r for r, c in enumerate(codes) if c), 0)).splitlines()) if line.strip()), "")
-        return False, (f"timed out after {seconds:.0f} s" if timed_out else f"exit status {codes}") + f": {last[-300:]}"
-    problems, text, log = [], "", output(out, part.name)
+        failed_rank = next((r for r, c in enumerate(codes) if c), 0)
+        last = next((line for line in reversed(output(out, part.name, failed_rank).splitlines())
+                     if line.strip()), "")
+        reason = f"timed out after {seconds:.0f} s" if timed_out else f"exit status {codes}"
+        return False, f"{reason}: {last[-300:]}"
+    problems = []
+    text = ""
+    log = output(out, part.name)
     if part.name in ARCH or part.name == "glsd_batched":
         text, steps[part.name] = training(part, out, form, problems)
         if part.name == "glsd_batched" and "glsd" in steps:
             text += f" ({steps['glsd'] / steps[part.name]:.2f}x the PIL crops' images/s)"
     elif part.name == "dino_preempted":
         ckpt = checkpoint(out, part.name)
-        text = f"stopped by SIGTERM during step {part.preempt_at}, checkpoint at epoch {ckpt['epoch']}, step {ckpt['step']}"
-        if (ckpt["epoch"], ckpt["step"]) != (0, part.preempt_at + 1) or "received SIGTERM" not in log:
-            problems.append(f"expected a checkpoint at epoch 0, step {part.preempt_at + 1} and 'received SIGTERM'")
+        text = (f"stopped by SIGTERM during step {part.preempt_at}, checkpoint at epoch "
+                f"{ckpt['epoch']}, step {ckpt['step']}")
+        expected = (0, part.preempt_at + 1)
+        if (ckpt["epoch"], ckpt["step"]) != expected or "received SIGTERM" not in log:
+            problems.append(f"expected a checkpoint at epoch 0, step {part.preempt_at + 1} and "
+                            "'received SIGTERM'")
     elif part.name == "dino_resumed":
-        resumed, whole = records(out / part.name)[-1]["loss"], records(out / "dino")[-1]["loss"]
-        text = f"second epoch's loss {resumed:.6g}, uninterrupted {whole:.6g} (relative difference {abs(resumed / whole - 1):.1e})"
+        resumed = records(out / part.name)[-1]["loss"]
+        whole = records(out / "dino")[-1]["loss"]
+        text = (f"second epoch's loss {resumed:.6g}, uninterrupted {whole:.6g} (relative "
+                f"difference {abs(resumed / whole - 1):.1e})")
         if "at epoch 0, step" not in log or not abs(resumed / whole - 1) <= 0.02:
             problems.append("not resumed mid-epoch, or the loss is more than 2% off")
     elif part.name == "dino_fp16":
         ckpt = checkpoint(out, part.name)
-        scale, loss = ckpt["scaler"]["scale"], records(out / part.name)[-1]["loss"]
-        text = f"grad scaler scale {scale:g} ({round(math.log2(65536 / scale))} overflow(s) in {FORMS[form]['steps']} steps), loss {loss:.4g}"
-        trained = json.loads((out / "dino" / "args.json").read_text())["precision"]    # fp16 already: no line
-        if not math.isfinite(loss) or trained != "fp16" and "precision: the checkpoint was trained in" not in log:
-            problems.append("a non-finite loss, or no line about the grad scaler the checkpoint lacked")
+        scale = ckpt["scaler"]["scale"]
+        loss = records(out / part.name)[-1]["loss"]
+        text = (f"grad scaler scale {scale:g} ({round(math.log2(65536 / scale))} overflow(s) in "
+                f"{FORMS[form]['steps']} steps), loss {loss:.4g}")
+        # fp16 already: no line
+        trained = json.loads((out / "dino" / "args.json").read_text())["precision"]
+        if (not math.isfinite(loss)
+                or trained != "fp16" and "precision: the checkpoint was trained in" not in log):
+            problems.append("a non-finite loss, or no line about the grad scaler the checkpoint "
+                            "lacked")
     elif part.name == "eval_knn":
-        text = ([line for line in log.splitlines() if "-NN classifier result" in line] or ["no k-NN result"])[-1]
+        knn_lines = [line for line in log.splitlines() if "-NN classifier result" in line]
+        text = (knn_lines or ["no k-NN result"])[-1]
         problems += [text] * (text == "no k-NN result")
     elif part.name == "eval_linear":
         logged = records(out / "eval_linear")
-        text = f"{len(logged)} epochs, best top-1 {logged[-1]['best_top1']:.1f}%" if logged else "no log"
+        text = (f"{len(logged)} epochs, best top-1 {logged[-1]['best_top1']:.1f}%" if logged
+                else "no log")
     elif part.name.endswith("_two_processes"):
         one = part.name.replace("two_processes", "one_process")
         gap = compare_runs(checkpoint(out, one), checkpoint(out, part.name), part.script)
         losses = [records(out / name)[-1]["loss"] for name in (one, part.name)]
-        text = (f"apart by {', '.join(f'{k} {v:.1e}' for k, v in gap.items())} of the distance moved; loss "
-                f"{losses[0]:.6g} (one) / {losses[1]:.6g} (two)")
+        text = (f"apart by {', '.join(f'{k} {v:.1e}' for k, v in gap.items())} of the distance "
+                f"moved; loss {losses[0]:.6g} (one) / {losses[1]:.6g} (two)")
         if not max(gap.values()) <= 0.01:
             problems.append("one process and two ended more than 1% of the distance moved apart")
     return not problems, "; ".join([text, *problems]) + f" [{seconds:.0f} s]"
@@ -426,7 +512,8 @@ def evaluate(part, result, out, form, steps):
 
 # ======== main ====================================================================================
 def count_gpus():
-    """torch.cuda.device_count() asked in a child: this process must not start CUDA before forking."""
+    """torch.cuda.device_count() asked in a child: this process must not start CUDA before
+    forking."""
     pid = os.fork()
     if pid == 0:
         with contextlib.suppress(BaseException):
@@ -439,11 +526,13 @@ def get_args_parser():
     p = argparse.ArgumentParser("gpu_check.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="cuda: the GPU form (paper size, NCCL); cpu: the reduced form (tiny models, gloo); auto: cuda "
-                        "when a GPU is visible")
-    p.add_argument("--out", default="runs/gpu_check", help="a new or empty folder: every part's output and log")
+                   help="cuda: the GPU form (paper size, NCCL); cpu: the reduced form (tiny "
+                        "models, gloo); auto: cuda when a GPU is visible")
+    p.add_argument("--out", default="runs/gpu_check",
+                   help="a new or empty folder: every part's output and log")
     p.add_argument("--parts", nargs="+", help="run only these parts (with the parts they need)")
-    p.add_argument("--timeout", default=300, type=common.POSITIVE_INT, help="seconds a part may take")
+    p.add_argument("--timeout", default=300, type=common.POSITIVE_INT,
+                   help="seconds a part may take")
     return p
 
 
@@ -452,7 +541,8 @@ def main(argv=None):
     gpus = 0 if args.device == "cpu" else count_gpus()
     if args.device == "cuda" and not gpus:
         common.die("--device cuda: no GPU is visible")
-    form, out = "gpu" if gpus else "cpu", Path(args.out)
+    form = "gpu" if gpus else "cpu"
+    out = Path(args.out)
     if out.is_dir() and any(out.iterdir()):
         common.die(f"--out {out} is not empty: remove it or choose another folder")
     common.make_folder(out, "--out")
@@ -460,39 +550,54 @@ def main(argv=None):
     if args.parts:
         unknown = sorted(set(args.parts) - {p.name for p in parts})
         if unknown:
-            common.die(f"--parts {' '.join(unknown)}: no such part here; choose among {' '.join(p.name for p in parts)}")
-        parts = [p for p in parts if p.name in args.parts or any(p.name in q.needs for q in parts if q.name in args.parts)]
+            common.die(f"--parts {' '.join(unknown)}: no such part here; choose among "
+                       f"{' '.join(p.name for p in parts)}")
+        wanted = [q for q in parts if q.name in args.parts]
+        parts = [p for p in parts if p.name in args.parts or any(p.name in q.needs for q in wanted)]
     check_commands(parts)
-    print(f"gpu_check: the {form} form, {f'{gpus} GPU(s)' if gpus else 'CPU'}, torch {torch.__version__}, {len(parts)} "
-          f"parts; logs in {out}", flush=True)
-    results, start = {}, time.time()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)   # kill, timeout: end the running part as Ctrl-C does
+    print(f"gpu_check: the {form} form, {f'{gpus} GPU(s)' if gpus else 'CPU'}, torch "
+          f"{torch.__version__}, {len(parts)} parts; logs in {out}", flush=True)
+    results = {}
+    start = time.time()
+    # kill, timeout: end the running part as Ctrl-C does
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         for part in parts:
-            missing = [n for n in part.needs if n not in results or results[n][2] or any(results[n][0])]
+            missing = [n for n in part.needs
+                       if n not in results or results[n][2] or any(results[n][0])]
             if missing:
                 print(f"{part.name}: skipped ({', '.join(missing)} failed)", flush=True)
                 continue
-            results[part.name] = launch(part, out, args.timeout)   # (every print above flushed: nothing to fork twice)
-            print(f"{part.name}: exit status {results[part.name][0]} in {results[part.name][1]:.0f} s", flush=True)
+            # (every print above flushed: nothing to fork twice)
+            results[part.name] = launch(part, out, args.timeout)
+            print(f"{part.name}: exit status {results[part.name][0]} in "
+                  f"{results[part.name][1]:.0f} s", flush=True)
     except KeyboardInterrupt:
         end(_running)
-        raise SystemExit(f"gpu_check stopped (Ctrl-C or SIGTERM): the part running was ended; its logs are in {out}") from None
-    steps, failed = {}, []
+        raise SystemExit("gpu_check stopped (Ctrl-C or SIGTERM): the part running was ended; its "
+                         f"logs are in {out}") from None
+    steps = {}
+    failed = []
     print(f"\n{'part':23} {'exit':5} {'result':7} details")
     for part in parts:
         if part.name not in results:
-            ok, text, codes = False, "skipped: a part it needs failed", "-"
+            ok = False
+            text = "skipped: a part it needs failed"
+            codes = "-"
         else:
             try:
                 ok, text = evaluate(part, results[part.name], out, form, steps)
-            except (OSError, KeyError, ValueError, IndexError) as e:    # a file the part should have written
-                ok, text = False, f"its output is incomplete: {type(e).__name__}: {e}"
+            except (OSError, KeyError, ValueError, IndexError) as e:
+                # a file the part should have written is missing or malformed
+                ok = False
+                text = f"its output is incomplete: {type(e).__name__}: {e}"
             codes = ",".join(map(str, results[part.name][0]))
         failed += [] if ok else [part.name]
         print(f"{part.name:23} {codes:5} {'ok' if ok else 'FAILED':7} {text}")
-    print(f"\n{len(parts) - len(failed)} of {len(parts)} parts passed in {(time.time() - start) / 60:.1f} min"
-          + (f"; failed: {' '.join(failed)} (docs/FIRST_GPU_RUN.md says what to do)" if failed else ""))
+    print(f"\n{len(parts) - len(failed)} of {len(parts)} parts passed in "
+          f"{(time.time() - start) / 60:.1f} min"
+          + (f"; failed: {' '.join(failed)} (docs/FIRST_GPU_RUN.md says what to do)"
+             if failed else ""))
     return 1 if failed else 0
 
 

@@ -6,10 +6,10 @@ The teacher distribution is P = softmax((logits - c) / tau_t) over the K prototy
 centre c = the batch mean of the float32 logits and tau_t = 0.04 (the lowest teacher temperature
 of the recipes): dividing by 0.04 multiplies every rounding error of a logit by 25. Compared, each
 against the same head in float32:
-  fp16 (authors)       the whole head under fp16 autocast: the DINO authors' setting (fp16 logits)
-  bf16 all             the whole head under bf16 autocast (bf16 logits: 8 significant bits, fp16 has 11)
-  bf16, fp32 last      the MLP under bf16 autocast, the last layer in float32
-  bf16, fp32 head      the whole head in float32 under bf16 autocast, as `common.DINOHead` computes it
+  fp16 (authors)   the whole head under fp16 autocast: the DINO authors' setting (fp16 logits)
+  bf16 all         the whole head under bf16 autocast (bf16 logits: 8 significant bits; fp16: 11)
+  bf16, fp32 last  the MLP under bf16 autocast, the last layer in float32
+  bf16, fp32 head  the whole head in float32 under bf16 autocast, as `common.DINOHead` computes it
 Two heads: at initialisation (flat teacher distributions), and "peaked", where every input has a
 prototype at cosine ~0.95 (the last layer's cosines then reach the range where bf16's spacing is
 2^-8 = 0.0039, 0.1 after the division by tau_t): the case of a trained teacher.
@@ -56,7 +56,8 @@ def peaked(head, x, cosine=0.95, seed=1):
     with torch.no_grad():
         z = F.normalize(head.mlp(x), dim=-1)
         noise = F.normalize(torch.randn(z.shape, generator=g), dim=-1)
-        noise = F.normalize(noise - (noise * z).sum(-1, keepdim=True) * z, dim=-1)   # orthogonal to z
+        # orthogonal to z
+        noise = F.normalize(noise - (noise * z).sum(-1, keepdim=True) * z, dim=-1)
         head.last_layer.weight_v[: len(x)] = cosine * z + (1 - cosine ** 2) ** 0.5 * noise
     return head
 
@@ -76,8 +77,8 @@ def compare(head, x, temp=TEACHER_TEMP, backbone=None, cases=CASES):
         logits = head_logits(head, x, precision, in_fp32, backbone)
         log_p = F.log_softmax((logits - center) / temp, dim=-1)
         kl = (log_p32.exp() * (log_p32 - log_p)).sum(-1)
-        out[name] = ((log_p.exp() - log_p32.exp()).abs().max().item(), kl.max().item(), kl.mean().item(),
-                     ((logits - reference).abs().max() / temp).item())
+        out[name] = ((log_p.exp() - log_p32.exp()).abs().max().item(), kl.max().item(),
+                     kl.mean().item(), ((logits - reference).abs().max() / temp).item())
     return out
 
 
@@ -94,10 +95,11 @@ def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dim", type=common.POSITIVE_INT, default=65536)
     p.add_argument("--batch", type=common.POSITIVE_INT, default=128)
-    p.add_argument("--in_dim", type=common.POSITIVE_INT, default=384, help="backbone width (ViT-S: 384)")
-    p.add_argument("--images", type=common.COUNT, default=8, help="also a randomly initialised backbone + head on this many "
-                                                         "random 224 px images, the backbone under the same autocast "
-                                                         "(0 = skip)")
+    p.add_argument("--in_dim", type=common.POSITIVE_INT, default=384,
+                   help="backbone width (ViT-S: 384)")
+    p.add_argument("--images", type=common.COUNT, default=8,
+                   help="also a randomly initialised backbone + head on this many random 224 px "
+                        "images, the backbone under the same autocast (0 = skip)")
     p.add_argument("--arch", default="vit_small", choices=list(common.ARCHS))
     return p
 
@@ -106,7 +108,8 @@ def main():
     a = get_args_parser().parse_args()
     print(f"torch {torch.__version__}, K = {a.out_dim}, batch {a.batch}, in_dim {a.in_dim}, "
           f"teacher temperature {TEACHER_TEMP}")
-    print(f"{'head':22s} {'case':17s} {'max|dP|':>10s} {'max KL':>10s} {'mean KL':>10s} {'max|dlogit|/T':>14s}")
+    print(f"{'head':22s} {'case':17s} {'max|dP|':>10s} {'max KL':>10s} {'mean KL':>10s} "
+          f"{'max|dlogit|/T':>14s}")
     rows = [(name, compare(head, x)) for name, head, x in heads(a.in_dim, a.out_dim, a.batch)]
     if a.images:
         torch.manual_seed(0)
@@ -116,7 +119,8 @@ def main():
         rows.append((f"{a.arch} + head", compare(head, images, backbone=backbone)))
     for name, results in rows:
         for case, (dp, kl_max, kl_mean, dlogit) in results.items():
-            print(f"{name:22s} {case:17s} {dp:10.2e} {kl_max:10.2e} {kl_mean:10.2e} {dlogit:14.3f}")
+            print(f"{name:22s} {case:17s} {dp:10.2e} {kl_max:10.2e} {kl_mean:10.2e} "
+                  f"{dlogit:14.3f}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
-"""How a trained teacher's image head spreads images over its K outputs: the two collapses of DINO's
-"Avoiding collapse" study (Caron et al., ICCV 2021), measured on a split instead of a batch.
+"""How a trained teacher's image head spreads images over its K outputs: the two collapses of
+DINO's "Avoiding collapse" study (Caron et al., ICCV 2021), measured on a split instead of a batch.
 
-    p_i   = softmax((g(x_i) - c) / tau_t)          the teacher's target for image i (centre c, tau_t the
-                                                   teacher temperature of the run's last trained step)
-    h     = 1/n sum_i H(p_i)                       per-image entropy: ln K when every target is uniform
-    h_bar = H(1/n sum_i p_i)                       entropy of the mean target: 0 when one output wins
-    used  = |{argmax_k p_i,k}|                     how many of the K outputs are some image's arg-max
+    p_i   = softmax((g(x_i) - c) / tau_t)  the teacher's target for image i (centre c, tau_t the
+                                           teacher temperature of the run's last trained step)
+    h     = 1/n sum_i H(p_i)               per-image entropy: ln K when every target is uniform
+    h_bar = H(1/n sum_i p_i)               entropy of the mean target: 0 when one output wins
+    used  = |{argmax_k p_i,k}|             how many of the K outputs are some image's arg-max
 
-Uniform collapse: h -> ln K. Collapse to one dimension: h_bar -> 0 and used -> 1. A healthy head has a
-small h (sharp targets), an h_bar near ln K (all outputs used over the split) and many outputs in use.
+Uniform collapse: h -> ln K. Collapse to one dimension: h_bar -> 0 and used -> 1. A healthy head
+has a small h (sharp targets), an h_bar near ln K (all outputs used over the split) and many
+outputs in use.
 
-Works on this repository's checkpoint.pth of DINO, EsViT, GLSD and SelfPatch (the image head on the
-global feature: DINO's CLS, the Swin's pooled tokens, SelfPatch's aggregated image token).
+Works on this repository's checkpoint.pth of DINO, EsViT, GLSD and SelfPatch (the image head on
+the global feature: DINO's CLS, the Swin's pooled tokens, SelfPatch's aggregated image token).
 
-    python extras/teacher_outputs.py --pretrained_weights runs/results/dino_recipe_test_seed0/checkpoint.pth \
+    python extras/teacher_outputs.py \
+        --pretrained_weights runs/results/dino_recipe_test_seed0/checkpoint.pth \
         --dataset fashion_mnist --crop 32 --resize 32 --max_images 2000
 """
 import argparse
@@ -35,12 +37,14 @@ HEAD_KEYS = {"dino": "head.", "esvit": "head.", "glsd": "head.", "selfpatch": "c
 def get_args_parser():
     p = argparse.ArgumentParser("teacher_outputs.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--pretrained_weights", required=True, help="a checkpoint.pth written by a method of this repository")
+    p.add_argument("--pretrained_weights", required=True,
+                   help="a checkpoint.pth written by a method of this repository")
     p.add_argument("--max_images", default=2000, type=common.POSITIVE_INT,
-                   help="the first N images of the evaluation split (the test split; with --holdout, the held-out "
-                        "train images)")
+                   help="the first N images of the evaluation split (the test split; with "
+                        "--holdout, the held-out train images)")
     p.add_argument("--teacher_temp", default=None, type=common.POSITIVE,
-                   help="measure at this temperature instead of the one the run reached at its last trained step")
+                   help="measure at this temperature instead of the one the run reached at its "
+                        "last trained step")
     eval_knn.add_eval_data_args(p, batch_size=250)
     return p
 
@@ -51,10 +55,13 @@ def reached_teacher_temperature(args, epoch, step):
     Not the schedule's end point: a one-epoch run of a 30-epoch warm-up 0.04 -> 0.07 ends at 0.04.
     A fractional warm-up ramps per step, which needs the run's steps per epoch that a checkpoint
     does not record: None while such a warm-up was still under way."""
-    warmup, final, warmup_epochs = args["warmup_teacher_temp"], args["teacher_temp"], args["warmup_teacher_temp_epochs"]
+    warmup = args["warmup_teacher_temp"]
+    final = args["teacher_temp"]
+    warmup_epochs = args["warmup_teacher_temp_epochs"]
     last_epoch = max(epoch - 1 if step == 0 else epoch, 0)    # the epoch of the last trained step
     if float(warmup_epochs).is_integer():                     # whole epochs ramp once per epoch
-        return float(common.teacher_temperature_schedule(warmup, final, warmup_epochs, last_epoch + 1)[last_epoch])
+        return float(common.teacher_temperature_schedule(warmup, final, warmup_epochs,
+                                                         last_epoch + 1)[last_epoch])
     return final if epoch >= warmup_epochs else None
 
 
@@ -68,20 +75,28 @@ def head_statistics(logits, center, temperature):
 
 
 def load_teacher_head(ckpt):
-    """The teacher's image head (common.DINOHead), its centre and the temperature of its last trained
-    step (None inside a fractional warm-up) from a checkpoint."""
-    method, args = ckpt.get("method"), ckpt["args"]
+    """The teacher's image head (common.DINOHead), its centre and the temperature of its last
+    trained step (None inside a fractional warm-up) from a checkpoint."""
+    method = ckpt.get("method")
+    args = ckpt["args"]
     if method not in HEAD_KEYS:
-        common.die(f"a {method} checkpoint has no self-distillation image head; use one of DINO, EsViT, GLSD, SelfPatch")
-    prefix, loss_key = HEAD_KEYS[method], f"{method}_loss"
+        common.die(f"a {method} checkpoint has no self-distillation image head; use one of DINO, "
+                   "EsViT, GLSD, SelfPatch")
+    prefix = HEAD_KEYS[method]
+    loss_key = f"{method}_loss"
     state = {k[len(prefix):]: v for k, v in ckpt["teacher"].items() if k.startswith(prefix)}
     if "last_layer.weight_v" not in state or "center" not in ckpt.get(loss_key, {}):
-        common.die(f"the {method} checkpoint lacks its teacher image head ({prefix}*) or its centre ({loss_key})")
-    dim = state["mlp.0.weight"].shape[1] if "mlp.0.weight" in state else state["mlp.weight"].shape[1]
-    head = common.DINOHead(dim, args["out_dim"], use_bn=args["use_bn_in_head"], norm_last_layer=args["norm_last_layer"],
-                           hidden_dim=args["head_hidden_dim"], bottleneck_dim=args["head_bottleneck_dim"])
+        common.die(f"the {method} checkpoint lacks its teacher image head ({prefix}*) or its "
+                   f"centre ({loss_key})")
+    dim = (state["mlp.0.weight"].shape[1] if "mlp.0.weight" in state
+           else state["mlp.weight"].shape[1])
+    head = common.DINOHead(dim, args["out_dim"], use_bn=args["use_bn_in_head"],
+                           norm_last_layer=args["norm_last_layer"],
+                           hidden_dim=args["head_hidden_dim"],
+                           bottleneck_dim=args["head_bottleneck_dim"])
     common.load_state_dict_strict(head, state, what=f"{method} teacher image head")
-    position = (ckpt["epoch"], ckpt["step"]) if "epoch" in ckpt and "step" in ckpt else None  # a training checkpoint's
+    # a training checkpoint's position
+    position = (ckpt["epoch"], ckpt["step"]) if "epoch" in ckpt and "step" in ckpt else None
     temperature = reached_teacher_temperature(args, *position) if position else None
     return head.eval(), ckpt[loss_key]["center"], temperature
 
@@ -92,32 +107,38 @@ def main(args):
         common.die(f"--pretrained_weights {args.pretrained_weights} is not a file")
     ckpt = common.load_checkpoint(args.pretrained_weights)
     if not (isinstance(ckpt, dict) and "method" in ckpt and "args" in ckpt):
-        common.die(f"{args.pretrained_weights} is not a checkpoint.pth of this repository (no method and args)")
+        common.die(f"{args.pretrained_weights} is not a checkpoint.pth of this repository (no "
+                   "method and args)")
     head, center, temperature = load_teacher_head(ckpt)
     if args.teacher_temp is not None:
         temperature = args.teacher_temp
     elif temperature is None:
-        common.die(f"the teacher temperature of {args.pretrained_weights}'s last step is unknown (no training position "
-                   f"recorded, or a fractional warm-up still under way: it depends on the run's steps per epoch): "
-                   f"pass --teacher_temp")
+        common.die(f"the teacher temperature of {args.pretrained_weights}'s last step is unknown "
+                   "(no training position recorded, or a fractional warm-up still under way: it "
+                   f"depends on the run's steps per epoch): pass --teacher_temp")
     backbone, _ = eval_knn.load_backbone(args.pretrained_weights, "teacher", crop=args.crop)
     dataset = common.build_dataset(args, train=False)
-    if isinstance(getattr(dataset, "dataset", dataset), common.ImageFolderSafe):     # (a --holdout Subset's folder)
-        getattr(dataset, "dataset", dataset).substitute = False    # unreadable: left out, no neighbour counted twice
+    # (a --holdout Subset's folder) unreadable images are left out, no neighbour counted twice
+    if isinstance(getattr(dataset, "dataset", dataset), common.ImageFolderSafe):
+        getattr(dataset, "dataset", dataset).substitute = False
     transform = common.eval_transform(args.resize, args.crop)
-    n, logits = min(args.max_images, len(dataset)), []
+    n = min(args.max_images, len(dataset))
+    logits = []
     for start in range(0, n, args.batch_size_per_gpu):
         batch = [dataset[i] for i in range(start, min(start + args.batch_size_per_gpu, n))]
         images = [transform(image) for image, label in batch if label != eval_knn.SKIPPED]
         logits += [head(backbone(torch.stack(images)))] if images else []
     if not logits:                                  # statistics over no image are none
-        common.die(f"none of the first {n} images could be read (--skip_bad_images left them all out): no statistics")
-    logits, k = torch.cat(logits), center.shape[-1]
+        common.die(f"none of the first {n} images could be read (--skip_bad_images left them all "
+                   "out): no statistics")
+    logits = torch.cat(logits)
+    k = center.shape[-1]
     h, h_bar, used = head_statistics(logits, center, temperature)
     left_out = f" ({n - len(logits)} unreadable, left out)" if n > len(logits) else ""
-    common.log(f"{ckpt['method']} teacher at temperature {temperature:g}, {len(logits)} images{left_out}, K = {k} "
-               f"(ln K = {math.log(k):.2f}):")
-    common.log(f"per-image entropy {h:.2f} | entropy of the mean target {h_bar:.2f} | arg-max outputs {used} of {k}")
+    common.log(f"{ckpt['method']} teacher at temperature {temperature:g}, {len(logits)} "
+               f"images{left_out}, K = {k} (ln K = {math.log(k):.2f}):")
+    common.log(f"per-image entropy {h:.2f} | entropy of the mean target {h_bar:.2f} | arg-max "
+               f"outputs {used} of {k}")
     return h, h_bar, used
 
 

@@ -12,16 +12,19 @@ Pillow's ImageDraw for lines, dots and numbers; no plotting library):
     crops       what a training run sees: per image, the image and its 2 global and N local crops,
                 exactly as epoch 0 of a run with the same --seed and crop flags draws them (look at
                 them before tuning a recipe: is the object still there after crop, blur, solarize?)
-    curves      extras/compare.py's learning curves (20-NN, `overlap` correspondence) against steps, a row in
-                one style everywhere, the seeds that kept checkpoints (mean, range bars), raw pixels as a level
+    curves      extras/compare.py's learning curves (20-NN, `overlap` correspondence) against
+                steps, a row in one style everywhere, the seeds that kept checkpoints (mean, range
+                bars), raw pixels as a level
 
-    python extras/visualize.py attention --pretrained_weights runs/dino/checkpoint.pth --image photo.jpg --output attention.png
-    python extras/visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth --dataset synthetic \
-        --synthetic_image_size 64 --global_crop_size 64 --local_crop_size 32 --output matchings.png
-    python extras/visualize.py crops --dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 \
-        --local_crops_number 4 --indices 0 1 2 3 --output crops.png
-    python extras/visualize.py curves --log docs/data/compare_32px.jsonl --data fashion_mnist --phase test \
-        --output docs/comparison_curves.png
+    python extras/visualize.py attention --pretrained_weights runs/dino/checkpoint.pth \
+        --image photo.jpg --output attention.png
+    python extras/visualize.py matchings --pretrained_weights runs/glsd/checkpoint.pth \
+        --dataset synthetic --synthetic_image_size 64 --global_crop_size 64 --local_crop_size 32 \
+        --output matchings.png
+    python extras/visualize.py crops --dataset fashion_mnist --global_crop_size 32 \
+        --local_crop_size 16 --local_crops_number 4 --indices 0 1 2 3 --output crops.png
+    python extras/visualize.py curves --log docs/data/compare_32px.jsonl --data fashion_mnist \
+        --phase test --output docs/comparison_curves.png
 
 The 60% threshold: per head, sort the patches by attention, keep the largest ones until their sum
 reaches 60% of the total (the patch that crosses the line is kept), as DINO's visualisation does.
@@ -47,8 +50,9 @@ import eval_knn  # noqa: E402
 import provenance  # noqa: E402
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
-PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
-           (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (170, 110, 40)]
+PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
+           (145, 30, 180), (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212),
+           (0, 128, 128), (170, 110, 40)]
 
 
 # ================================================================================================
@@ -56,28 +60,33 @@ PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 13
 # ================================================================================================
 def to_uint8(view, size):
     """A normalised view [3, H, W] -> uint8 [3, size, size] (ImageNet normalisation undone)."""
-    mean, std = (torch.tensor(v, device=view.device)[:, None, None] for v in (common.IMAGENET_MEAN, common.IMAGENET_STD))
+    mean, std = (torch.tensor(v, device=view.device)[:, None, None]
+                 for v in (common.IMAGENET_MEAN, common.IMAGENET_STD))
     image = F.interpolate((view.float() * std + mean)[None], size=(size, size), mode="bilinear",
                           align_corners=False, antialias=True)[0]
     return (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
 def token_xy(index, grid, size, x_offset=0):
-    """Pixel centres [N, 2] (x, y) of flat token indices of an (h, w) grid over a size x size picture."""
+    """Pixel centres [N, 2] (x, y) of flat token indices of an (h, w) grid over a size x size
+    picture."""
     h, w = grid
     index = torch.as_tensor(index).cpu()
-    return torch.stack([(index % w + 0.5) * size / w + x_offset, (index // w + 0.5) * size / h], -1).float()
+    x = (index % w + 0.5) * size / w + x_offset
+    y = (index // w + 0.5) * size / h
+    return torch.stack([x, y], -1).float()
 
 
 def side_by_side(left, right, gap):
-    canvas = torch.full((3, left.shape[1], left.shape[2] + gap + right.shape[2]), 255, dtype=torch.uint8)
+    canvas = torch.full((3, left.shape[1], left.shape[2] + gap + right.shape[2]), 255,
+                        dtype=torch.uint8)
     canvas[:, :, :left.shape[2]], canvas[:, :, left.shape[2] + gap:] = left, right
     return canvas
 
 
 def draw_links(canvas, starts, ends, colours, width=1, radius=2, labels=None):
-    """Lines starts[i] -> ends[i] with a dot at both ends, each in colours[i]; with `labels`, labels[i]
-    written next to starts[i], outlined in black so that it reads on any background."""
+    """Lines starts[i] -> ends[i] with a dot at both ends, each in colours[i]; with `labels`,
+    labels[i] written next to starts[i], outlined in black so that it reads on any background."""
     picture = to_pil_image(canvas)
     draw = ImageDraw.Draw(picture)
     for i, (start, end, colour) in enumerate(zip(starts.tolist(), ends.tolist(), colours)):
@@ -85,20 +94,24 @@ def draw_links(canvas, starts, ends, colours, width=1, radius=2, labels=None):
         for x, y in (start, end):
             draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=colour)
         if labels is not None:
-            draw.text((start[0] - 14, start[1] - 16), str(labels[i]), fill=colour, stroke_width=1, stroke_fill="black")
+            draw.text((start[0] - 14, start[1] - 16), str(labels[i]), fill=colour, stroke_width=1,
+                      stroke_fill="black")
     return pil_to_tensor(picture)
 
 
-def save_top_matches(path, view1, view2, prediction, score, target, valid, grid, top=10, size=224, gap=16):
+def save_top_matches(path, view1, view2, prediction, score, target, valid, grid, top=10, size=224,
+                     gap=16):
     """EsViT Fig. 6: view 1 | view 2, the `top` most similar view-1 tokens (with a ground truth)
     linked to their match in view 2, numbered by rank, green when the match is the true token and
     red otherwise. Both views share the token grid (same crop size)."""
-    ranked = score.masked_fill(~valid, float("-inf")).argsort(descending=True)[:min(top, int(valid.sum()))].cpu()
+    shown = min(top, int(valid.sum()))
+    ranked = score.masked_fill(~valid, float("-inf")).argsort(descending=True)[:shown].cpu()
     starts = token_xy(ranked, grid, size)
     ends = token_xy(prediction.cpu()[ranked], grid, size, x_offset=size + gap)
-    colours = [GREEN if ok else RED for ok in (prediction.cpu()[ranked] == target.cpu()[ranked]).tolist()]
-    canvas = draw_links(side_by_side(to_uint8(view1, size), to_uint8(view2, size), gap), starts, ends, colours, 2, 3,
-                        labels=range(1, len(ranked) + 1))
+    correct = (prediction.cpu()[ranked] == target.cpu()[ranked]).tolist()
+    colours = [GREEN if ok else RED for ok in correct]
+    canvas = draw_links(side_by_side(to_uint8(view1, size), to_uint8(view2, size), gap), starts,
+                        ends, colours, 2, 3, labels=range(1, len(ranked) + 1))
     write_png(canvas, str(path))
 
 
@@ -118,8 +131,10 @@ def cls_attention(vit, image):
     normalised image [3, H, W]; recomputed from the block's attention input (timm's fused kernel
     does not return the weights)."""
     if not hasattr(vit, "blocks") or getattr(vit, "cls_token", None) is None:
-        common.die("attention maps need a ViT backbone with a CLS token (not Swin, not SelfPatch's CLS-free ViT)")
-    attn, seen = vit.blocks[-1].attn, {}
+        common.die("attention maps need a ViT backbone with a CLS token (not Swin, not SelfPatch's "
+                   "CLS-free ViT)")
+    attn = vit.blocks[-1].attn
+    seen = {}  # the attention's input, caught by a hook
     hook = attn.register_forward_pre_hook(lambda module, inputs: seen.update(x=inputs[0]))
     try:
         _, grid = vit.forward_dense(image[None])
@@ -128,16 +143,19 @@ def cls_attention(vit, image):
     x = seen["x"]
     q, k, _v = attn.qkv(x).reshape(1, x.shape[1], 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
     q, k = attn.q_norm(q), attn.k_norm(k)
-    weights = ((q[:, :, :1] * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)   # [1, heads, 1, N]
+    # [1, heads, 1, N]: the CLS query's attention
+    weights = ((q[:, :, :1] * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
     return weights[0, :, 0, vit.num_prefix_tokens:].reshape(attn.num_heads, *grid.shape[1:3])
 
 
 def keep_mass(attention, mass=0.6):
-    """Boolean mask [heads, h, w]: per head, the largest values whose sum reaches `mass` of the total."""
+    """Boolean mask [heads, h, w]: per head, the largest values whose sum reaches `mass` of the
+    total."""
     flat = attention.flatten(1)
     values, order = flat.sort(dim=1, descending=True)
     before = (values.cumsum(1) - values) / values.sum(1, keepdim=True)  # mass of the larger values
-    return torch.zeros_like(flat, dtype=torch.bool).scatter(1, order, before < mass).view_as(attention)
+    mask = torch.zeros_like(flat, dtype=torch.bool).scatter(1, order, before < mass)
+    return mask.view_as(attention)
 
 
 def attention_picture(vit, view, mass=0.6, size=224):
@@ -159,23 +177,25 @@ def attention_picture(vit, view, mass=0.6, size=224):
 # The matchings of one training step (EsViT / GLSD)
 # ================================================================================================
 def similarity_matches(student_tokens, teacher_tokens):
-    """For every student token [T_s, D], the teacher token [T_t, D] of highest cosine similarity of the
-    backbone tokens (EsViT's matching, GLSD's Similarity setting)."""
-    return (F.normalize(student_tokens, dim=-1) @ F.normalize(teacher_tokens, dim=-1).T).argmax(dim=-1)
+    """For every student token [T_s, D], the teacher token [T_t, D] of highest cosine similarity of
+    the backbone tokens (EsViT's matching, GLSD's Similarity setting)."""
+    similarity = F.normalize(student_tokens, dim=-1) @ F.normalize(teacher_tokens, dim=-1).T
+    return similarity.argmax(dim=-1)
 
 
 def geometric_matches(student_geometry, student_grid, teacher_geometry, teacher_grid):
-    """For every student token, the teacher token whose centre is nearest in the original image, and
-    whether the squared distance is below the larger squared half-diagonal of a token cell of the two
-    crops: GLSD's Geometric setting, written again here because no script imports a method file
-    (tests/test_correspondence.py checks that it equals glsd.py's)."""
+    """For every student token, the teacher token whose centre is nearest in the original image,
+    and whether the squared distance is below the larger squared half-diagonal of a token cell of
+    the two crops: GLSD's Geometric setting, written again here because no script imports a method
+    file (tests/test_correspondence.py checks that it equals glsd.py's)."""
     def centres(geometry, grid):  # [T, 2] and the squared half-diagonal of a cell, original pixels
         geometry = {k: v[None] for k, v in geometry.items()}
         cell = geometry["box"][0, 2:].float() * geometry["image_size"][0].float() / torch.tensor(
             [grid[1], grid[0]], device=geometry["box"].device)
         return common.grid_centers(geometry, grid)[0], (cell / 2).pow(2).sum()
 
-    (s_xy, s_hd2), (t_xy, t_hd2) = centres(student_geometry, student_grid), centres(teacher_geometry, teacher_grid)
+    s_xy, s_hd2 = centres(student_geometry, student_grid)
+    t_xy, t_hd2 = centres(teacher_geometry, teacher_grid)
     dist2, match = (t_xy[None] - s_xy[:, None]).pow(2).sum(-1).min(dim=-1)
     return match, dist2 < torch.maximum(s_hd2, t_hd2)
 
@@ -186,7 +206,8 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
     to its teacher token, top row by cosine similarity of the backbone tokens, bottom row by
     nearest centre in the original image (pairs over GLSD's distance threshold not drawn)."""
     t_view, s_view = crops[0], crops[student_crop]
-    (_, t_grid), (_, s_grid) = teacher.forward_dense(t_view[None]), student.forward_dense(s_view[None])
+    _, t_grid = teacher.forward_dense(t_view[None])
+    _, s_grid = student.forward_dense(s_view[None])
     t_hw, s_hw = tuple(t_grid.shape[1:3]), tuple(s_grid.shape[1:3])
     similar = similarity_matches(s_grid.flatten(0, 2), t_grid.flatten(0, 2))
     nearest, kept = geometric_matches(geometry[student_crop], s_hw, geometry[0], t_hw)
@@ -204,26 +225,32 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
 # ================================================================================================
 # Learning curves of the comparison (extras/compare.py's JSON lines)
 # ================================================================================================
-CURVES = (("knn_top1", "20-NN top-1 (%)"), ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
+CURVES = (("knn_top1", "20-NN top-1 (%)"),
+          ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
 
 
-# one colour, dash pattern (None: solid) and marker per row, the same in every picture; a row that can
-# lie on another (GLSD similarity is EsViT's loss) is dashed, in a contrasting colour, drawn on top
-ROW_STYLES = {"vit_dino": ((230, 25, 75), None, "circle"), "vit_selfpatch": ((60, 180, 75), None, "square"),
-              "vit_esvit": ((0, 130, 200), None, "triangle"), "vit_glsd": ((245, 130, 48), None, "diamond"),
-              "swin_dino": ((170, 110, 40), None, "circle"), "swin_esvit": ((145, 30, 180), None, "square"),
+# one colour, dash pattern (None: solid) and marker per row, the same in every picture; a row
+# that can lie on another (GLSD similarity is EsViT's loss) is dashed, in a contrasting colour,
+# drawn on top
+ROW_STYLES = {"vit_dino": ((230, 25, 75), None, "circle"),
+              "vit_selfpatch": ((60, 180, 75), None, "square"),
+              "vit_esvit": ((0, 130, 200), None, "triangle"),
+              "vit_glsd": ((245, 130, 48), None, "diamond"),
+              "swin_dino": ((170, 110, 40), None, "circle"),
+              "swin_esvit": ((145, 30, 180), None, "square"),
               "swin_glsd_geometric": ((0, 128, 128), None, "diamond"),
               "swin_glsd_similarity": ((240, 170, 0), (7, 5), "triangle")}
 
 
 def curve_series(records, data, phase, variant="recipe"):
-    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of the
-    trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
+    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of
+    the trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
     checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
-    the initialisation depends on the network and the seed only), then the kept checkpoints, then the
-    final one; mean and range over those seeds at each step."""
+    the initialisation depends on the network and the seed only), then the kept checkpoints, then
+    the final one; mean and range over those seeds at each step."""
     def point(step, record):
-        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
+        return step, {"knn_top1": record["knn_top1"],
+                      "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
 
     base = compare_tables.baselines(records, data, phase)
     runs = {}
@@ -236,10 +263,12 @@ def curve_series(records, data, phase, variant="recipe"):
         runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
     series = {}
     for row, by_seed in runs.items():
-        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))   # every drawn seed has them
+        # the steps every drawn seed has
+        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))
         series[row] = {"seeds": sorted(by_seed), "points": [
             (step, {k: (statistics.mean(run[step][k] for run in by_seed.values()),
-                        min(run[step][k] for run in by_seed.values()), max(run[step][k] for run in by_seed.values()))
+                        min(run[step][k] for run in by_seed.values()),
+                        max(run[step][k] for run in by_seed.values()))
                     for k, _ in CURVES}) for step in steps]}
     return series
 
@@ -249,11 +278,14 @@ def curves_title(series, data, phase, variant):
     seed_sets = {tuple(s["seeds"]) for s in series.values()}
     if len(seed_sets) == 1:
         seeds = next(iter(seed_sets))
-        what = (f"seed {seeds[0]} only (the one seed that evaluated its kept checkpoints)" if len(seeds) == 1 else
+        what = (f"seed {seeds[0]} only (the one seed that evaluated its kept checkpoints)"
+                if len(seeds) == 1 else
                 f"mean of seeds {', '.join(map(str, seeds))}, bars: their range")
     else:
-        what = "per row, the seeds named in the legend (more than one: their mean, bars: their range)"
-    return f"{data}, {phase} phase, {variant}: {what}; step 0 = the row's own network at random init"
+        what = ("per row, the seeds named in the legend (more than one: their mean, bars: their "
+                "range)")
+    return (f"{data}, {phase} phase, {variant}: {what}; "
+            "step 0 = the row's own network at random init")
 
 
 def draw_marker(draw, shape, x, y, colour, r=3):
@@ -276,15 +308,18 @@ def draw_polyline(draw, points, colour, dash, width=2):
         while t < length:
             u = min(t + dash[0], length)
             draw.line([xa + (xb - xa) * t / length, ya + (yb - ya) * t / length,
-                       xa + (xb - xa) * u / length, ya + (yb - ya) * u / length], fill=colour, width=width)
+                       xa + (xb - xa) * u / length, ya + (yb - ya) * u / length],
+                      fill=colour, width=width)
             t += dash[0] + dash[1]
 
 
 def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30, 20, 40)):
     """Two panels (the metrics of CURVES), one line per row (ROW_STYLES: colour, dash, marker), the
-    range over the drawn seeds as a vertical bar at each step, the raw pixels' 20-NN (`pixels`) as a
-    grey dashed level, a legend below: uint8 [3, H, W]. margin: left, top, right, bottom of each plot."""
-    rows = sorted(series, key=lambda row: ROW_STYLES.get(row, (None, None))[1] is not None)   # dashed on top
+    range over the drawn seeds as a vertical bar at each step, the raw pixels' 20-NN (`pixels`) as
+    a grey dashed level, a legend below: uint8 [3, H, W]. margin: left, top, right, bottom of each
+    plot."""
+    # dashed rows last: drawn on top
+    rows = sorted(series, key=lambda row: ROW_STYLES.get(row, (None, None))[1] is not None)
     left, top, right, bottom = margin
     legend_height = 16 * ((len(rows) + 1) // 2) + 10
     width, height = 2 * panel[0], panel[1] + legend_height + 34
@@ -297,8 +332,8 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
         x0, y0 = p * panel[0] + left, 34 + top
         x1, y1 = (p + 1) * panel[0] - right, 34 + panel[1] - bottom
         level = pixels if metric == "knn_top1" else None
-        values = [v for rs in series.values() for _, m in rs["points"] for v in m[metric]] + [level] * (level is not None) \
-            or [0.0, 1.0]
+        values = ([v for rs in series.values() for _, m in rs["points"] for v in m[metric]]
+                  + [level] * (level is not None) or [0.0, 1.0])
         low, high = min(values), max(values)
         pad = max(high - low, 1.0) * 0.08
         low, high = low - pad, high + pad
@@ -320,11 +355,14 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
             draw.text((x - 10, y1 + 6), str(step), fill="black")
         draw.text(((x0 + x1) / 2 - 30, y1 + 20), "training steps", fill="black")
         if level is not None:
-            draw_polyline(draw, [(x0, xy(steps[0], level)[1]), (x1, xy(steps[0], level)[1])], (128, 128, 128), (4, 4), 1)
-            draw.text((x0 + 4, xy(steps[0], level)[1] - 12), f"raw pixels {level:.1f}", fill=(96, 96, 96))
+            draw_polyline(draw, [(x0, xy(steps[0], level)[1]), (x1, xy(steps[0], level)[1])],
+                          (128, 128, 128), (4, 4), 1)
+            draw.text((x0 + 4, xy(steps[0], level)[1] - 12), f"raw pixels {level:.1f}",
+                      fill=(96, 96, 96))
         for row in rows:
             colour, dash, marker = ROW_STYLES.get(row, (PALETTE[0], None, "circle"))
-            points = [(xy(s, m[metric][0]), xy(s, m[metric][1]), xy(s, m[metric][2])) for s, m in series[row]["points"]]
+            points = [(xy(s, m[metric][0]), xy(s, m[metric][1]), xy(s, m[metric][2]))
+                      for s, m in series[row]["points"]]
             if len(points) > 1:
                 draw_polyline(draw, [mean for mean, _, _ in points], colour, dash)
             for (x, y), (_, y_low), (_, y_high) in points:
@@ -334,19 +372,22 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
                     draw.line([x - 3, y_high, x + 3, y_high], fill=colour)
                 draw_marker(draw, marker, x, y, colour)
     seed_sets = {tuple(s["seeds"]) for s in series.values()}
-    for i, row in enumerate(series):                        # legend, two columns, in the log's order
+    for i, row in enumerate(series):                        # legend: two columns, the log's order
         colour, dash, marker = ROW_STYLES.get(row, (PALETTE[0], None, "circle"))
         x, y = 20 + (i % 2) * panel[0], 34 + panel[1] + 4 + 16 * (i // 2)
         draw_polyline(draw, [(x, y + 6), (x + 24, y + 6)], colour, dash, width=3)
         draw_marker(draw, marker, x + 12, y + 6, colour)
-        seeds = "" if len(seed_sets) == 1 else f" (seeds {', '.join(map(str, series[row]['seeds']))})"
+        seeds = ("" if len(seed_sets) == 1
+                 else f" (seeds {', '.join(map(str, series[row]['seeds']))})")
         draw.text((x + 30, y), row + seeds, fill="black")
     return pil_to_tensor(picture)
 
 
 def read_json_lines(path):
-    """extras/compare.py's log as its tables show it (compare_tables.current); one line and exit 1 for any other file."""
-    return compare_tables.current(provenance.read_log(path, ("data", "row", "variant", "phase", "seed")))[0]
+    """extras/compare.py's log as its tables show it (compare_tables.current); one line and exit 1
+    for any other file."""
+    records = provenance.read_log(path, ("data", "row", "variant", "phase", "seed"))
+    return compare_tables.current(records)[0]
 
 
 # ================================================================================================
@@ -354,7 +395,8 @@ def read_json_lines(path):
 # ================================================================================================
 def crops_picture(dataset, augment, seed, indices, size=96, batched=False):
     """One row per image: the image, then its crops as training draws them at epoch 0
-    (`common.SeededDataset` with the run's seed and --batched_crops), every view drawn size x size."""
+    (`common.SeededDataset` with the run's seed and --batched_crops), every view drawn size x
+    size."""
     seeded = common.SeededDataset(dataset, augment, seed, batched=batched)
     views = []
     for index in indices:
@@ -377,36 +419,46 @@ def get_args_parser():
     commands = p.add_subparsers(dest="picture", required=True)
     c = commands.add_parser("curves", help="learning curves of extras/compare.py's runs",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("--log", default="docs/data/compare_32px.jsonl", help="extras/compare.py's JSON lines")
+    c.add_argument("--log", default="docs/data/compare_32px.jsonl",
+                   help="extras/compare.py's JSON lines")
     c.add_argument("--data", default="fashion_mnist", help="which comparison: its --data")
-    c.add_argument("--phase", default="test", choices=["val", "test"], help="which comparison: its --phase")
+    c.add_argument("--phase", default="test", choices=["val", "test"],
+                   help="which comparison: its --phase")
     c.add_argument("--variant", default="recipe", help="which comparison: its --variant")
     c.add_argument("--output", default="curves.png", type=str, help="PNG file to write")
     for name, help_text in (("attention", "per-head CLS attention of the last ViT block"),
                             ("matchings", "token matchings of one EsViT / GLSD training step"),
                             ("crops", "the global and local crops a training run sees")):
-        c = commands.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        c = commands.add_parser(name, help=help_text,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         g = c.add_argument_group("image")
         if name == "crops":
-            g.add_argument("--indices", default=[0, 1, 2, 3], type=int, nargs="+", help="images of the train split")
+            g.add_argument("--indices", default=[0, 1, 2, 3], type=int, nargs="+",
+                           help="images of the train split")
         else:
             eval_knn.add_weights_args(c)
-            g.add_argument("--image", default=None, type=str, help="an image file (else image --index of --dataset)")
+            g.add_argument("--image", default=None, type=str,
+                           help="an image file (else image --index of --dataset)")
             g.add_argument("--index", default=0, type=int, help="which image of the dataset split")
-            g.add_argument("--split", default="test", choices=["train", "test"], help="dataset split")
+            g.add_argument("--split", default="test", choices=["train", "test"],
+                           help="dataset split")
         common.add_data_args(c)
         g = c.add_argument_group("picture")
         g.add_argument("--output", default=f"{name}.png", type=str, help="PNG file to write")
-        g.add_argument("--picture_size", default=96 if name == "crops" else 224, type=common.POSITIVE_INT,
-                       help="side of every drawn view in pixels")
-        g.add_argument("--seed", default=0, type=common.COUNT, help="seeds the crops (as training's --seed) and --random_init")
-        g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+        g.add_argument("--picture_size", default=96 if name == "crops" else 224,
+                       type=common.POSITIVE_INT, help="side of every drawn view in pixels")
+        g.add_argument("--seed", default=0, type=common.COUNT,
+                       help="seeds the crops (as training's --seed) and --random_init")
+        g.add_argument("--device", default="auto",
+                       help="auto (CUDA when present), cpu, cuda, cuda:N")
         if name == "crops":
             common.add_multicrop_args(c)
         elif name == "attention":
             g.add_argument("--image_size", default=224, type=common.POSITIVE_INT,
-                           help="the image is resized and centre-cropped to this (a multiple of the patch)")
-            g.add_argument("--threshold", default=0.6, type=common.FRACTION, help="fraction of attention mass kept in the masks")
+                           help="the image is resized and centre-cropped to this (a multiple of "
+                                "the patch)")
+            g.add_argument("--threshold", default=0.6, type=common.FRACTION,
+                           help="fraction of attention mass kept in the masks")
         else:
             common.add_multicrop_args(c)
             g.add_argument("--student_crop", default=1, type=int,
@@ -419,41 +471,53 @@ def load_image(args):
         return common.load_image(args.image)
     dataset = common.build_dataset(args, train=args.split == "train")
     if not 0 <= args.index < len(dataset):
-        common.die(f"--index {args.index} is outside the {len(dataset)} images of the {args.split} split")
-    folder, index = getattr(dataset, "dataset", dataset), getattr(dataset, "indices", range(len(dataset)))[args.index]
+        common.die(f"--index {args.index} is outside the {len(dataset)} images of the {args.split} "
+                   "split")
+    folder = getattr(dataset, "dataset", dataset)
+    index = getattr(dataset, "indices", range(len(dataset)))[args.index]
     if not hasattr(folder, "samples"):                # a named dataset's images are in memory
         return dataset[args.index][0]
-    try:             # the file itself: with --skip_bad_images the dataset would draw its neighbour instead
+    # the file itself: with --skip_bad_images the dataset would draw its neighbour instead
+    try:
         return common.load_image(folder.samples[index][0])
     except common.BadImageError as e:
-        common.die(f"image --index {args.index} of the {args.split} split: {e}; choose another --index")
+        common.die(f"image --index {args.index} of the {args.split} split: {e}; choose another "
+                   "--index")
 
 
 def main(args):
-    if Path(args.output).is_dir():          # before any work: one line, not a traceback once the picture is drawn
-        common.die(f"--output {args.output} is a folder; name the PNG file to write (e.g. {args.picture}.png in it)")
+    # before any work: one line, not a traceback once the picture is drawn
+    if Path(args.output).is_dir():
+        common.die(f"--output {args.output} is a folder; name the PNG file to write (e.g. "
+                   f"{args.picture}.png in it)")
     if args.picture == "curves":
         records = read_json_lines(args.log)
         series = curve_series(records, args.data, args.phase, args.variant)
         if not series:
-            common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
-                       f"--variant {args.variant} (extras/compare.py logs one for each seed in --curve_seeds)")
+            common.die(f"{args.log} has no learning curve of --data {args.data} --phase "
+                       f"{args.phase} --variant {args.variant} (extras/compare.py logs one for "
+                       "each seed in --curve_seeds)")
         pixels = next((r["knn_top1"] for r in records
-                       if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")), None)
-        return save(curves_picture(series, curves_title(series, args.data, args.phase, args.variant), pixels), args)
+                       if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")),
+                      None)
+        title = curves_title(series, args.data, args.phase, args.variant)
+        return save(curves_picture(series, title, pixels), args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":
-        augment, dataset = multicrop(args), common.build_dataset(args, train=True)     # the flags before the data
+        augment = multicrop(args)  # the flags before the data
+        dataset = common.build_dataset(args, train=True)
         bad = [i for i in args.indices if not 0 <= i < len(dataset)]
         if bad:
             common.die(f"--indices {bad} outside the {len(dataset)} images of the train split")
-        return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size, args.batched_crops), args)
+        return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size,
+                                  args.batched_crops), args)
     image = load_image(args)
     def load(key):
-        return eval_knn.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size, args.window_size,
-                                    args.random_init, getattr(args, "image_size", None) or args.global_crop_size,
-                                    "--image_size" if args.picture == "attention" else "--global_crop_size")
+        crop = getattr(args, "image_size", None) or args.global_crop_size
+        crop_flag = "--image_size" if args.picture == "attention" else "--global_crop_size"
+        return eval_knn.load_backbone(args.pretrained_weights, key, args.arch, args.patch_size,
+                                      args.window_size, args.random_init, crop, crop_flag)
 
     model, info = load(args.checkpoint_key)
     backbone = eval_knn.dense_backbone(model).to(device)
@@ -465,13 +529,16 @@ def main(args):
         if not 1 <= args.student_crop < 2 + args.local_crops_number:
             common.die(f"--student_crop {args.student_crop}: choose 1 (the other global crop) to "
                        f"{1 + args.local_crops_number} (the local crops)")
-        same = args.random_init or info["method"] in ("random", "external")  # one network: teacher = student
+        # one network: teacher = student
+        same = args.random_init or info["method"] in ("random", "external")
         student = eval_knn.dense_backbone(model if same else load("student")[0]).to(device)
         with torch.random.fork_rng(devices=[]):
             seed = common.sample_seed(args.seed, 0, args.index)
             if args.batched_crops:
-                crops, geometry = common.batched_multicrop(augment, [pil_to_tensor(image.convert("RGB"))], [seed])
-                crops, geometry = [c[0] for c in crops], [{k: v[0] for k, v in g.items()} for g in geometry]
+                pixels = pil_to_tensor(image.convert("RGB"))
+                crops, geometry = common.batched_multicrop(augment, [pixels], [seed])
+                crops = [c[0] for c in crops]
+                geometry = [{k: v[0] for k, v in g.items()} for g in geometry]
             else:
                 torch.manual_seed(seed)
                 crops, geometry = augment(image)
@@ -482,11 +549,13 @@ def main(args):
 
 
 def multicrop(args, network=None):
-    """A training run's multi-crop, its flags refused as the run refuses them (tiled by `network`'s tokens, if any)."""
+    """A training run's multi-crop, its flags refused as the run refuses them (tiled by
+    `network`'s tokens, if any)."""
     run = argparse.Namespace(**{**vars(args), "epochs": 0, "warmup_epochs": 0, **(network or {})})
     common.check_start_args(run, stride=None if network else 1)
-    return common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
-                                        args.global_crop_size, args.local_crop_size)
+    return common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale,
+                                        args.local_crops_number, args.global_crop_size,
+                                        args.local_crop_size)
 
 
 def save(picture, args):
