@@ -159,7 +159,9 @@ def backbone_record(backbone, image_token="backbone"):
 def token_stride(arch, patch_size=16):
     """Pixels per token of the final grid: the ViT patch, or Swin's patch x 2 per merging."""
     cfg = ARCHS[arch]
-    return patch_size if cfg["family"] == "vit" else cfg.get("patch_size", 4) * 2 ** len(cfg["depths"][1:])
+    if cfg["family"] == "vit":
+        return patch_size
+    return cfg.get("patch_size", 4) * 2 ** (len(cfg["depths"]) - 1)
 
 
 def fitted_windows(arch, patch_size, window_size, crop_sizes):
@@ -330,8 +332,9 @@ class MultiCropAugmentation:
         to_tensor = [transforms.ToTensor(), transforms.Normalize(mean, std)]
         sigma = (0.1 * global_crop_size / 224, 2.0 * global_crop_size / 224)  # scaled radius
         self.global1 = transforms.Compose(color + [RandomGaussianBlur(1.0, sigma)] + to_tensor)
-        self.global2 = transforms.Compose(color + [RandomGaussianBlur(0.1, sigma),
-                                                   transforms.RandomSolarize(128, p=0.2)] + to_tensor)
+        solarize = transforms.RandomSolarize(128, p=0.2)
+        self.global2 = transforms.Compose(color + [RandomGaussianBlur(0.1, sigma), solarize]
+                                          + to_tensor)
         self.local = transforms.Compose(color + [RandomGaussianBlur(0.5, sigma)] + to_tensor)
 
     def plan(self):
@@ -1151,7 +1154,9 @@ def rng_state():
     """This process's RNG states (CUDA's: its GPU's), in types that `weights_only` accepts."""
     np_state = np.random.get_state()
     py_state = random.getstate()
-    cuda = torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_initialized() else []
+    cuda = []
+    if torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
     return {"torch": torch.get_rng_state(), "cuda": cuda,
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                       *map(float, np_state[2:])],
@@ -1390,7 +1395,8 @@ def ranged(kind, low=None, high=None, low_open=False):
         too_low = low is not None and (value <= low if low_open else value < low)
         too_high = high is not None and value > high
         if too_low or too_high or not math.isfinite(value):  # inf, NaN
-            raise argparse.ArgumentTypeError(f"{text} is out of range: expected a value in {bounds}")
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: expected a value in {bounds}")
         return value
     parse.__name__ = f"{kind.__name__} in {bounds}"
     return parse
@@ -1411,7 +1417,7 @@ def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     g.add_argument("--patch_size", default=16, type=POSITIVE_INT,
                    help="ViT patch size: 16 or 8 (better, much slower), or a divisor of small "
                         "crops (4 at 32 px)")
-    g.add_argument("--window_size", default=7, type=POSITIVE_INT, help="Swin window size (7, or 14)")
+    g.add_argument("--window_size", default=7, type=POSITIVE_INT, help="Swin window size (7 or 14)")
     g.add_argument("--fit_window", default=False, type=bool_flag,
                    help="small images: per Swin stage the largest window <= --window_size that "
                         "tiles every crop's grid")
@@ -1447,7 +1453,7 @@ def add_data_args(parser):
                    help="size of the synthetic train split")
     g.add_argument("--synthetic_image_size", default=64, type=POSITIVE_INT,
                    help="side of synthetic images (pixels)")
-    g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic dataset to draw")
+    g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic set to draw")
     g.add_argument("--holdout", default=0, type=COUNT,
                    help="a validation split: the train split's last N images are the test "
                         "split, the others the train split (training and the k-NN bank), so "
@@ -1631,7 +1637,8 @@ def check_resumed_args(ckpt, args, method, run_only=()):
     if changed and not args.allow_changed_args:
         die(f"{path} was trained with other arguments: {', '.join(changed)}")
     if changed:
-        log(f"warning: resuming with changed arguments (--allow_changed_args): {', '.join(changed)}")
+        log(f"warning: resuming with changed arguments (--allow_changed_args): "
+            f"{', '.join(changed)}")
     done = ckpt.get("epoch", 0)
     step = ckpt.get("step", 0)
     if done + bool(step) > args.epochs:
