@@ -410,6 +410,7 @@ def posterize(img, bits_to_keep, **_):
 
 def check_args(args):
     """One-line errors for flag combinations that cannot work."""
+    common.check_arch_flags(args)
     if args.warmup_epochs > args.epochs:
         common.die(f"--warmup_epochs {args.warmup_epochs} exceeds --epochs {args.epochs}; lower it")
     patch = (args.patch_size if common.ARCHS[args.arch]["family"] == "vit"
@@ -561,7 +562,7 @@ def main(args):
     common.install_preemption_handler()
     # as Swin's code: Mixup / CutMix and drop path draw per process
     common.fix_random_seeds(args.seed + common.get_rank())
-    check_args(args)
+    check_args(args)  # Part C
     common.claim_output_dir(args.output_dir, "drloc.py")  # Part C
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
     common.check_resumed_args(ckpt, args, "drloc", run_only=["val_subset"])  # Part C
