@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import time
+import zipfile
 from functools import partial
 from pathlib import Path
 
@@ -1053,12 +1054,25 @@ def load_checkpoint(path, what="checkpoint", remedy=""):
         with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before torch 1.6, a pickle
             start = f.read(2)
         if start in (b"PK", b"\x80\x02"):  # else e.g. an image, where torch would advise weights_only=False
+            check_archive(path, what, remedy)
             with torch.serialization.safe_globals([argparse.Namespace]):  # the authors' args: a Namespace
                 return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # OSError: the file system's reason (a folder, no permission); else torch's (a cut-off write?)
         die(f"{what} {path} cannot be read{'' if isinstance(e, OSError) else ' (truncated?)'}: "
             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}{remedy}")
     die(f"{what} {path} is {f'not a PyTorch file (it starts {start!r})' if start else 'empty (0 bytes)'}{remedy}")
+
+
+def check_archive(path, what, remedy):
+    """torch.load does not check a zip archive's CRCs: flipped bits in a tensor load silently."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, EOFError):  # not a whole archive: torch.load names the reason
+        return
+    if damaged:
+        die(f"{what} {path} is damaged: the checksum of its entry {damaged} fails (bits changed on "
+            f"the disk or in a copy){remedy}")
 
 
 def load_state_dict_strict(module, state_dict, what="model"):

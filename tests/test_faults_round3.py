@@ -1,0 +1,58 @@
+"""The third probe of the fault table (docs/ERRORS.md): damaged checkpoints, held-out splits drawn
+from a class-sorted folder, image folders with other splits, hidden folders or FIFOs inside, a
+preemption that a blocked read would outlast, resumes that the processes of one job decide
+apart, and numbers that the libraries cannot hold. Runs are in process on tiny data, except
+where the behaviour is the process's (signals, torchrun)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+from test_faults import ENV, EVAL, TINY, image_folder, one_line_error, run  # noqa: E402
+from test_reliability import run_here  # noqa: E402
+
+
+def last_line(result):
+    """die()'s line, last on stderr, with no traceback above it."""
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Damaged checkpoints: flipped bits, and a pickle that would run code
+# ------------------------------------------------------------------------------------------------
+def test_flipped_bytes_in_a_tensor_of_checkpoint_pth_are_refused(tmp_path):
+    out = tmp_path / "run"
+    assert run_here("dino.py", *TINY, "--output_dir", str(out)).returncode == 0
+    path = out / "checkpoint.pth"
+    data = bytearray(path.read_bytes())
+    weights = data.find(b"data/0") + 200       # inside the first tensor's bytes (past its file header)
+    data[weights] ^= 0x10
+    data[weights + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+    line = last_line(run_here("dino.py", *TINY, "--epochs", "2", "--output_dir", str(out)))
+    assert line.startswith("error: checkpoint ") and "is damaged: the checksum of its entry" in line, line
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_without_torchs_advice(tmp_path):
+    torch.save({"teacher": RunsCode()}, tmp_path / "w.pth")
+    with pytest.raises(SystemExit) as stop:
+        common.load_checkpoint(tmp_path / "w.pth")
+    line = str(stop.value.code)
+    assert "holds more than tensors and plain values (Unsupported global: GLOBAL print)" in line, line
+    assert "truncated" not in line and "weights_only" not in line, line
