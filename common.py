@@ -18,6 +18,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
 import re
 import resource
@@ -1058,6 +1059,12 @@ def load_checkpoint(path, what="checkpoint", remedy=""):
             with torch.serialization.safe_globals([argparse.Namespace]):  # the authors' args: a Namespace
                 return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # OSError: the file system's reason (a folder, no permission); else torch's (a cut-off write?)
+        said = str(e).split("WeightsUnpickler error: ")        # weights_only refused an object
+        if isinstance(e, pickle.UnpicklingError) and len(said) > 1:   # never advise loading it
+            refused = said[1].split(" was not an allowed")[0].splitlines()[0]
+            die(f"{what} {path} holds more than tensors and plain values ({refused}): refused "
+                f"unread, as loading it could run code; give a file written by these "
+                f"scripts{remedy}")
         die(f"{what} {path} cannot be read{'' if isinstance(e, OSError) else ' (truncated?)'}: "
             f"{(str(e).strip() or type(e).__name__).splitlines()[0]}{remedy}")
     die(f"{what} {path} is {f'not a PyTorch file (it starts {start!r})' if start else 'empty (0 bytes)'}{remedy}")
