@@ -776,14 +776,20 @@ DATASETS = ["folder", "synthetic", "fashion_mnist", "cifar10", "cifar100", "svhn
 
 
 def build_dataset(args, train=True):
-    """The train or test split of --dataset; with --holdout N, the train split without its last N images, or those."""
+    """The train or test split of --dataset; with --holdout N, the train split without N of its
+    images, or those: the last N (a named dataset's files are in no class order), of a folder N
+    drawn with seed 0."""
     holdout = getattr(args, "holdout", 0)
     if not holdout:
         return named_dataset(args, train)
     full = named_dataset(args, train=True)
     if not 0 < holdout < len(full):
         die(f"--holdout {holdout} must be between 1 and the {len(full)} train images minus one")
-    part = torch.utils.data.Subset(full, range(len(full) - holdout) if train else range(len(full) - holdout, len(full)))
+    order = list(range(len(full)))
+    if isinstance(full, tv_datasets.DatasetFolder):   # sorted by class: the last N, one class
+        order = torch.randperm(len(full), generator=torch.Generator().manual_seed(0)).tolist()
+    kept = order[:len(full) - holdout] if train else order[len(full) - holdout:]
+    part = torch.utils.data.Subset(full, sorted(kept))
     part.classes = getattr(full, "classes", None)
     return part
 
@@ -1488,8 +1494,10 @@ def add_data_args(parser):
     g.add_argument("--synthetic_image_size", default=64, type=POSITIVE_INT, help="side of synthetic images (pixels)")
     g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic dataset to draw")
     g.add_argument("--holdout", default=0, type=COUNT,
-                   help="a validation split: the train split's last N images are the test split, the others the "
-                        "train split (training and the k-NN bank), so settings are chosen without the test set")
+                   help="a validation split: N train images (the last N; of a folder, sorted by "
+                        "class, N drawn with seed 0) are the test split, the others the train "
+                        "split (training and the k-NN bank), so settings are chosen without the "
+                        "test set")
     g.add_argument("--skip_bad_images", action="store_true", help="skip (log and count) unreadable images, not stop")
     g.add_argument("--num_workers", default=10, type=COUNT, help="data loader processes per GPU/process")
     return g

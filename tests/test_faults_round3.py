@@ -56,3 +56,24 @@ def test_a_pickle_that_would_run_code_is_refused_without_torchs_advice(tmp_path)
     line = str(stop.value.code)
     assert "holds more than tensors and plain values (Unsupported global: GLOBAL print)" in line, line
     assert "truncated" not in line and "weights_only" not in line, line
+
+
+# ------------------------------------------------------------------------------------------------
+# --holdout: of a folder (sorted by class), N images drawn with a fixed seed; elsewhere the last N
+# ------------------------------------------------------------------------------------------------
+def test_holdout_of_a_class_sorted_folder_is_drawn_from_every_class(tmp_path):
+    image_folder(tmp_path / "train", ["a", "b", "c"], per_class=6)
+    args = Namespace(dataset="folder", data_path=str(tmp_path), holdout=6, skip_bad_images=False)
+    train, held = common.build_eval_splits(args)
+    assert len(set(held.dataset.targets[i] for i in held.indices)) > 1        # it was class c alone
+    assert sorted(train.indices + held.indices) == list(range(18))
+    again = common.build_dataset(args, train=False)          # every script, every run: one split
+    assert again.indices == held.indices
+
+
+def test_holdout_of_a_named_dataset_is_still_its_last_images():
+    """The logged results' validation splits (Fashion-MNIST, synthetic) stay as they were."""
+    args = Namespace(dataset="synthetic", data_path=None, holdout=5, synthetic_images=20,
+                     synthetic_image_size=16, synthetic_seed=0)
+    assert list(common.build_dataset(args, train=False).indices) == list(range(15, 20))
+    assert list(common.build_dataset(args, train=True).indices) == list(range(15))
