@@ -823,6 +823,10 @@ def named_dataset(args, train):
     root = next((root / s for s in splits if (root / s).is_dir()), root if train else None)
     if root is None:
         die(f"no val/ or test/ folder in --data_path {path} for evaluation")
+    held = [s for s in ("val", "test") if train and root == Path(path) and (root / s).is_dir()]
+    if held:      # the folder itself would be the train split, an evaluation split inside it
+        die(f"--data_path {path} has no train/ folder but has {held[0]}/: the train split would "
+            f"hold {held[0]}/'s images; put the training images in {Path(path) / 'train'}")
     try:
         return ImageFolderSafe(str(root), skip_bad_images=getattr(args, "skip_bad_images", False))
     except FileNotFoundError as e:

@@ -22,6 +22,13 @@ from test_faults import ENV, EVAL, TINY, image_folder, one_line_error, run  # no
 from test_reliability import run_here  # noqa: E402
 
 
+def on_folder(flags, data_path):
+    """`flags` with --dataset folder --data_path `data_path` in place of the synthetic dataset."""
+    synthetic = {"--dataset", "--synthetic_images", "--synthetic_image_size"}
+    kept = [f for i, f in enumerate(flags) if f not in synthetic and flags[i - 1] not in synthetic]
+    return [*kept, "--dataset", "folder", "--data_path", str(data_path)]
+
+
 def last_line(result):
     """die()'s line, last on stderr, with no traceback above it."""
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -77,3 +84,16 @@ def test_holdout_of_a_named_dataset_is_still_its_last_images():
                      synthetic_image_size=16, synthetic_seed=0)
     assert list(common.build_dataset(args, train=False).indices) == list(range(15, 20))
     assert list(common.build_dataset(args, train=True).indices) == list(range(15))
+
+
+# ------------------------------------------------------------------------------------------------
+# Image folders: no train/ beside val/, hidden folders, files that are not regular
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["dino.py", "eval_knn.py"])
+def test_a_data_path_without_train_but_with_val_is_refused(tmp_path, script):
+    image_folder(tmp_path / "training", ["a", "b"])
+    image_folder(tmp_path / "val", ["a", "b"])
+    flags = [*TINY, "--output_dir", str(tmp_path / "out")] if script == "dino.py" else [*EVAL, "--nb_knn", "2"]
+    result = run_here(script, *on_folder(flags, tmp_path))
+    line = last_line(result)
+    assert f"--data_path {tmp_path} has no train/ folder but has val/" in line, line
