@@ -642,6 +642,9 @@ def load_image(path):
         raise BadImageError(f"cannot read image {path}: {e}") from None
 
 
+IMAGE_EXTENSIONS = tv_datasets.folder.IMG_EXTENSIONS
+
+
 class ImageFolderSafe(tv_datasets.ImageFolder):
     """ImageFolder with `load_image`. With `skip_bad_images` an unreadable file is replaced by the next one
     and counted; in evaluation (`substitute = False`) it comes labelled SKIPPED and is left out (a
@@ -650,9 +653,21 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
 
     def __init__(self, root, skip_bad_images=False):
         refuse_revisited_folders(root)
-        super().__init__(root, loader=load_image)
+        super().__init__(root, loader=load_image, is_valid_file=self.is_image_file)
         self.skip_bad_images, self.substitute = skip_bad_images, True
         self.skipped = multiprocessing.Value("l", 0)
+
+    def find_classes(self, directory):
+        """Class folders, without hidden ones (`.ipynb_checkpoints`: no class of the data)."""
+        classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and e.name[0] != ".")
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {name: i for i, name in enumerate(classes)}
+
+    def is_image_file(self, path):
+        """An image's name, in no hidden folder and not hidden (`._x.png`: macOS metadata)."""
+        hidden = any(part[0] == "." for part in Path(os.path.relpath(path, self.root)).parts)
+        return not hidden and tv_datasets.folder.has_file_allowed_extension(path, IMAGE_EXTENSIONS)
 
     def __getitem__(self, index):
         for attempt in range(len(self)):

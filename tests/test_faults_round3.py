@@ -97,3 +97,11 @@ def test_a_data_path_without_train_but_with_val_is_refused(tmp_path, script):
     result = run_here(script, *on_folder(flags, tmp_path))
     line = last_line(result)
     assert f"--data_path {tmp_path} has no train/ folder but has val/" in line, line
+
+
+def test_hidden_folders_and_files_are_no_class_and_no_image(tmp_path):
+    image_folder(tmp_path / "train", ["a", "b"])
+    image_folder(tmp_path / "train" / ".ipynb_checkpoints", ["x"])
+    shutil.copy(tmp_path / "train" / "a" / "0.png", tmp_path / "train" / "b" / "._0.png")
+    train = common.build_dataset(Namespace(dataset="folder", data_path=str(tmp_path), holdout=0), train=True)
+    assert train.classes == ["a", "b"] and len(train) == 8
