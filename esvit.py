@@ -364,6 +364,11 @@ def main(args):
         common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step}")
     elif args.init_from:
         start_epoch, start_step = init_from_view_only(args.init_from, student, teacher, criterion, args)
+        if start_step >= n_steps:      # a mid-epoch checkpoint of longer epochs: none of it is left
+            common.die(f"--init_from {args.init_from} stopped after step {start_step} of epoch "
+                       f"{start_epoch}, but this run's epochs have {n_steps} steps (other data or "
+                       f"--max_steps_per_epoch?); give a checkpoint of an epoch's end, or the "
+                       f"run's data and steps")
 
     common.save_args(args)                              # every start-up check passed
     if start_epoch == args.epochs:     # --epochs lowered to those trained: the files of a finished run, now

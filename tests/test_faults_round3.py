@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from test_faults import ENV, EVAL, TINY, image_folder, one_line_error, run  # noqa: E402
-from test_reliability import run_here  # noqa: E402
+from test_reliability import run_here, stop_at_check  # noqa: E402
 
 
 def on_folder(flags, data_path):
@@ -105,3 +105,18 @@ def test_hidden_folders_and_files_are_no_class_and_no_image(tmp_path):
     shutil.copy(tmp_path / "train" / "a" / "0.png", tmp_path / "train" / "b" / "._0.png")
     train = common.build_dataset(Namespace(dataset="folder", data_path=str(tmp_path), holdout=0), train=True)
     assert train.classes == ["a", "b"] and len(train) == 8
+
+
+# ------------------------------------------------------------------------------------------------
+# esvit.py --init_from a mid-epoch checkpoint of longer epochs
+# ------------------------------------------------------------------------------------------------
+def test_init_from_a_step_past_this_runs_epoch_is_refused(tmp_path, monkeypatch):
+    view = tmp_path / "view"
+    two_steps = [*TINY, "--max_steps_per_epoch", "2", "--synthetic_images", "24"]
+    with monkeypatch.context() as patched:
+        stop_at_check(patched, 1)                  # preempted after step 1 of 2
+        result = run_here("esvit.py", *two_steps, "--use_region_loss", "false", "--output_dir", str(view))
+    assert result.returncode == 0 and torch.load(view / "checkpoint.pth", weights_only=True)["step"] == 1
+    result = run_here("esvit.py", *TINY, "--epochs", "2", "--output_dir", str(tmp_path / "full"),
+                      "--init_from", str(view / "checkpoint.pth"))     # 1 step per epoch
+    assert "stopped after step 1 of epoch 0, but this run's epochs have 1 steps" in last_line(result)
