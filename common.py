@@ -24,7 +24,9 @@ import re
 import resource
 import signal
 import socket
+import stat
 import sys
+import threading
 import time
 import zipfile
 from functools import partial
@@ -599,6 +601,7 @@ def preemption_requested(device):
 
 
 def exit_after_preemption(output_dir):
+    _checkpoint_reached.set()
     close_progress_bars()
     log(f"received {_preemption_signal or 'a preemption signal'}: checkpoint written to "
         f"{Path(output_dir) / 'checkpoint.pth'}; run the same command again to resume")
@@ -665,8 +668,11 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
         return classes, {name: i for i, name in enumerate(classes)}
 
     def is_image_file(self, path):
-        """An image's name, in no hidden folder and not hidden (`._x.png`: macOS metadata)."""
+        """A regular file with an image's name, in no hidden folder and not hidden (`._x.png`)."""
         hidden = any(part[0] == "." for part in Path(os.path.relpath(path, self.root)).parts)
+        with contextlib.suppress(OSError):      # unreadable, a broken link: `load_image` names it
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                return False                    # a FIFO or a device: a read could block for ever
         return not hidden and tv_datasets.folder.has_file_allowed_extension(path, IMAGE_EXTENSIONS)
 
     def __getitem__(self, index):
@@ -1002,12 +1008,41 @@ def ignore_preemption_signals(_worker_id):
 
 
 def install_preemption_handler():
-    """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0."""
+    """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0
+    (or, past the grace period, `end_unless_checkpointed`)."""
     def handler(signum, frame):
         global _preemption_signal
+        if _preemption_signal is None:
+            threading.Thread(target=end_unless_checkpointed, daemon=True).start()
         _preemption_signal = signal.Signals(signum).name
+    _checkpoint_reached.clear()
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
+
+
+# A scheduler kills a job some time after its signal (SLURM's KillWait, 30 s by default; a
+# requeue's --signal gives more): a step blocked on a read (a FIFO, a hung mount) must not
+# outlast it silently.
+PREEMPTION_GRACE_S = float(os.environ.get("PREEMPTION_GRACE_SECONDS", 120))
+_checkpoint_reached = threading.Event()     # set as a preempted run writes or awaits its checkpoint
+
+
+def end_unless_checkpointed():
+    """After a preemption signal, in a thread: end the process, in one line, if the step has not
+    reached the checkpoint within the grace period (the main thread may be blocked where no signal
+    reaches)."""
+    if _checkpoint_reached.wait(PREEMPTION_GRACE_S):
+        return
+    where = last_checkpoint()
+    message = (f"error: received {_preemption_signal}, but the step did not reach its checkpoint "
+               f"within {PREEMPTION_GRACE_S:g} s (a read that never returns?){where}"
+               + ("; run the same command again to resume" if ": " in where else ""))
+    report_to_torchrun(message)
+    bar = bool(getattr(tqdm, "_instances", ()))          # a progress bar's line is open: end it
+    print("\n" * bar + message, file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():    # loader workers ignore SIGTERM
+        child.kill()
+    os._exit(1)
 
 
 def end_loader_workers():
@@ -1045,6 +1080,7 @@ def set_rng_state(state):
 def save_checkpoint(state, path):
     """Write atomically (temporary file, fsync, rename): a crash leaves the old or the new file."""
     path = Path(path)
+    _checkpoint_reached.set()           # a preempted step's grace period ends here
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

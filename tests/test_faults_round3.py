@@ -120,3 +120,46 @@ def test_init_from_a_step_past_this_runs_epoch_is_refused(tmp_path, monkeypatch)
     result = run_here("esvit.py", *TINY, "--epochs", "2", "--output_dir", str(tmp_path / "full"),
                       "--init_from", str(view / "checkpoint.pth"))     # 1 step per epoch
     assert "stopped after step 1 of epoch 0, but this run's epochs have 1 steps" in last_line(result)
+
+
+# ------------------------------------------------------------------------------------------------
+# A preemption ends the job within its grace period, whatever the loader does
+# ------------------------------------------------------------------------------------------------
+def test_a_fifo_in_an_image_folder_is_not_listed(tmp_path):
+    image_folder(tmp_path / "train", ["a", "b"])
+    os.mkfifo(tmp_path / "train" / "a" / "pipe.png")          # reading it would block for ever
+    train = common.build_dataset(Namespace(dataset="folder", data_path=str(tmp_path), holdout=0), train=True)
+    assert len(train) == 8 and not any("pipe" in path for path, _ in train.samples)
+
+
+BLOCKED_STEP = """
+import sys
+sys.path.insert(0, {root!r})
+import common, dino
+common.load_image = lambda path: open({fifo!r}).read()     # a read that never returns
+common.run_script(dino.main, dino.get_args_parser(), {argv!r})
+"""
+
+
+def test_sigterm_ends_a_step_blocked_on_a_read_within_the_grace_period(tmp_path):
+    image_folder(tmp_path / "data" / "train", ["a", "b"])
+    os.mkfifo(tmp_path / "fifo")
+    argv = [*on_folder(TINY, tmp_path / "data"), "--output_dir", str(tmp_path / "out")]
+    code = BLOCKED_STEP.format(root=str(ROOT), fifo=str(tmp_path / "fifo"), argv=argv)
+    job = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**ENV, "PREEMPTION_GRACE_SECONDS": "2"})
+    for line in job.stdout:                # started: the first step is reading
+        if line.startswith("data:"):
+            break
+    time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    try:
+        _out, err = job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        pytest.fail("the run was still alive 30 s after SIGTERM")
+    assert job.returncode == 1 and "Traceback" not in err, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: received SIGTERM, but the step did not reach its checkpoint within 2 s")
+    assert line.endswith(f"before the first checkpoint ({tmp_path / 'out' / 'checkpoint.pth'}) was written")
