@@ -1220,8 +1220,25 @@ def checkpoint_to_resume(args, method):
             die(f"{path} was written by {f'{written_by}.py' if written_by else 'another program'}, not {method}.py: "
                 f"give {method}.py its own --output_dir (default runs/{method})")
         check_resumed_args(ckpt, args, path)
+    ckpt = agree_on_resume(path, ckpt)
     if is_main_process():
         remove_stale_temporaries(args.output_dir)
+    return ckpt
+
+
+def agree_on_resume(path, ckpt):
+    """Collective: rank 0 decides whether the job resumes; a process that cannot read the checkpoint
+    rank 0 resumes from (an --output_dir not shared between nodes) stops the job in one line."""
+    found = (ckpt.get("epoch"), ckpt.get("step")) if ckpt is not None else None
+    views = all_gather_objects((found, socket.gethostname()))
+    if views[0][0] is None:
+        return None                             # a fresh start: another node's old file is not read
+    for rank, (theirs, host) in enumerate(views):
+        if theirs != views[0][0]:
+            saw = f"it sees epoch {theirs[0]}, step {theirs[1]}" if theirs else "it finds no file"
+            die(f"process {rank} (host {host}) cannot read the {path} that process 0 resumes from "
+                f"(epoch {views[0][0][0]}, step {views[0][0][1]}; {saw}): give every node one "
+                f"--output_dir on a shared file system (an absolute path)")
     return ckpt
 
 

@@ -349,6 +349,7 @@ def main(args):
     # ---- a probe to resume from output_dir/linear_checkpoint.pth: refused before any data work if it is another's
     ckpt_path = Path(args.output_dir) / "linear_checkpoint.pth"
     ckpt = common.load_checkpoint(ckpt_path) if ckpt_path.exists() else None
+    ckpt = common.agree_on_resume(ckpt_path, ckpt)         # rank 0 decides, for every node
     if ckpt is not None:
         check_same_weights(ckpt, identity, ckpt_path)
         if ckpt.get("args", {}).get("precomputed_features", False) != args.precomputed_features:

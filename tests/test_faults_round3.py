@@ -6,6 +6,7 @@ where the behaviour is the process's (signals, torchrun)."""
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -163,3 +164,43 @@ def test_sigterm_ends_a_step_blocked_on_a_read_within_the_grace_period(tmp_path)
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: received SIGTERM, but the step did not reach its checkpoint within 2 s")
     assert line.endswith(f"before the first checkpoint ({tmp_path / 'out' / 'checkpoint.pth'}) was written")
+
+
+# ------------------------------------------------------------------------------------------------
+# Several machines: rank 0 decides whether the job resumes
+# ------------------------------------------------------------------------------------------------
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_node_that_cannot_see_the_checkpoint_stops_the_job(tmp_path):
+    """Two "nodes" on localhost, each its own working folder: a relative --output_dir is not shared,
+    so node 1 finds no checkpoint.pth where node 0 resumes (it used to start at epoch 0 and hang)."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    assert run_here("dino.py", *TINY, "--output_dir", str(nodes[0] / "out")).returncode == 0
+    port, jobs = free_port(), []
+    for rank, node in enumerate(nodes):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        cmd = [*launcher, str(ROOT / "dino.py"), *TINY, "--epochs", "2", "--allow_changed_args",
+               "--output_dir", "out"]
+        jobs.append(subprocess.Popen(cmd, cwd=node, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=ENV, start_new_session=True))
+    errors = []
+    try:
+        for job in jobs:
+            errors.append(job.communicate(timeout=60)[1])
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+    assert all(job.returncode != 0 for job in jobs), errors[1][-2000:]
+    expected = (f"error: process 1 (host {socket.gethostname()}) cannot read the out/checkpoint.pth that "
+                f"process 0 resumes from (epoch 1, step 0; it finds no file)")
+    for err in errors:
+        assert expected in err and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in err
