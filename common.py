@@ -9,6 +9,8 @@ A docstring starting with "Collective" (or a name ending in `_all_ranks`) marks 
 import argparse
 import atexit
 import contextlib
+import ctypes
+import datetime
 import errno
 import fcntl
 import gzip
@@ -896,9 +898,23 @@ def init_distributed(device="auto"):
         # the authors' cuDNN autotuning, and TF32 float32 matmuls as in their torch (1.7-1.8)
         torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if (world_size > 1 or "RANK" in os.environ) and not dist.is_initialized():
+        end_with_launcher()
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                timeout=PROCESS_GROUP_TIMEOUT)
     return device
+
+
+# The others wait in a collective while rank 0 alone writes a checkpoint (1 GB to a slow disk) or
+# votes a large k-NN: NCCL's default 10 minutes would end the job; a true hang is ended later.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
+def end_with_launcher():
+    """Linux: a torchrun worker gets SIGTERM when its launcher dies, even by SIGKILL (it would run
+    on alone): a preemption, so the step finishes and the checkpoint is written."""
+    if sys.platform.startswith("linux") and "TORCHELASTIC_RUN_ID" in os.environ:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # 1: PR_SET_PDEATHSIG
 
 
 def all_gather_objects(obj):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from test_faults import ENV, EVAL, TINY, image_folder, one_line_error, run  # noqa: E402
-from test_reliability import run_here, stop_at_check  # noqa: E402
+from test_reliability import descendants, run_here, stop_at_check  # noqa: E402
 
 
 def on_folder(flags, data_path):
@@ -204,3 +204,44 @@ def test_a_node_that_cannot_see_the_checkpoint_stops_the_job(tmp_path):
                 f"process 0 resumes from (epoch 1, step 0; it finds no file)")
     for err in errors:
         assert expected in err and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in err
+
+
+def test_the_process_group_outlasts_rank_0s_long_work(monkeypatch):
+    """NCCL's default watchdog (10 minutes) ended a job while rank 0 wrote a large checkpoint."""
+    seen = {}
+    monkeypatch.setattr(common.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    common.init_distributed("cpu")
+    assert seen["timeout"].total_seconds() >= 30 * 60
+
+
+def running(pid):
+    """Alive and not a zombie (an orphan's reaper may be slow)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_end_when_the_torchrun_launcher_is_killed(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "1", str(ROOT / "dino.py"), *TINY, "--epochs", "100000", "--output_dir",
+                                 str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=ENV)
+    for line in launcher.stdout:           # the worker trains
+        if line.startswith("data:"):
+            break
+    workers = descendants(launcher.pid)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(map(running, workers)):
+        time.sleep(0.2)
+    alive = [pid for pid in workers if running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert workers and not alive, "the worker ran on alone after its launcher's SIGKILL"
+    rest = launcher.stdout.read()
+    assert "received SIGTERM: checkpoint written to" in rest, rest[-2000:]
