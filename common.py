@@ -1531,11 +1531,27 @@ def ranged(kind, low=None, high=None, low_open=False):
         too_low = low is not None and (value <= low if low_open else value < low)
         if too_low or (high is not None and value > high) or not math.isfinite(value):  # inf, NaN
             raise argparse.ArgumentTypeError(f"{text} is out of range: expected a value in {bounds}")
+        problem = number_problem(kind, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text} {problem}")
         return value
     parse.__name__ = f"{kind.__name__} in {bounds}"
     return parse
 
 
+def number_problem(kind, value):
+    """What the libraries cannot hold, whatever the flag's range: an integer past int32 (torch's and
+    numpy's sizes, seeds, counts), a float that float32 (the networks') rounds to 0 or to inf."""
+    if kind is int and value > INT32_MAX:
+        return f"is too large: expected at most {INT32_MAX} (a 32-bit integer)"
+    if kind is float and value and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+        return (f"is out of float32's range, where it would be {'inf' if abs(value) > 1 else '0'}: "
+                f"expected a size from {FLOAT32_TINY:.3g} to {FLOAT32_MAX:.3g}")
+    return ""
+
+
+INT32_MAX = 2 ** 31 - 1
+FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 POSITIVE_INT = ranged(int, 1)                     # sizes, batches, epochs
 COUNT = ranged(int, 0)                            # 0 allowed: "none" or "off"
 POSITIVE = ranged(float, 0, low_open=True)        # temperatures

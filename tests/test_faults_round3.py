@@ -245,3 +245,25 @@ def test_workers_end_when_the_torchrun_launcher_is_killed(tmp_path):
     assert workers and not alive, "the worker ran on alone after its launcher's SIGKILL"
     rest = launcher.stdout.read()
     assert "received SIGTERM: checkpoint written to" in rest, rest[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Numbers the libraries cannot hold
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--seed", "4294967296", "is too large: expected at most 2147483647"),      # numpy's seed: a traceback
+    ("--teacher_temp", "1e-50", "is out of float32's range, where it would be 0"),  # logits / 0: NaN
+    ("--lr", "1e39", "is out of float32's range, where it would be inf")])
+def test_numbers_past_what_the_libraries_hold_are_refused_by_argparse(capsys, flag, value, expected):
+    import dino
+    with pytest.raises(SystemExit) as stop:
+        dino.get_args_parser().parse_args([flag, value])
+    assert stop.value.code == 2 and f"argument {flag}: {value} {expected}" in capsys.readouterr().err
+
+
+def test_an_enormous_epochs_is_refused_not_out_of_memory(tmp_path):
+    """6 steps per epoch: 1.3e10 values a schedule (103 GB), an allocation the system refuses at once."""
+    line = last_line(run_here("dino.py", *TINY, "--max_steps_per_epoch", "0", "--epochs", "2147483647",
+                              "--output_dir", str(tmp_path)))
+    assert "error: --epochs 2147483647 of 6 steps each are 1.29e+10 steps, more than the 1e+08" in line
+    assert line.endswith("lower --epochs"), line
