@@ -493,14 +493,27 @@ def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
 # ======== A4. The training step: schedules, optimiser details, EMA, mixed precision, collectives ====
 def cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epochs=0, start_warmup_value=0):
     """Per iteration: a linear warmup to `base_value`, then `final + 0.5 (base - final)(1 + cos(pi i / T))`."""
+    check_schedule_length(epochs, niter_per_ep)
     warmup_iters = int(warmup_epochs * niter_per_ep)
     iters = np.arange(epochs * niter_per_ep - warmup_iters)
     schedule = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * iters / len(iters)))
     return np.concatenate((np.linspace(start_warmup_value, base_value, warmup_iters), schedule))
 
 
+MAX_SCHEDULE_STEPS = 10 ** 8     # 800 MB a schedule; DINO's 800 ImageNet epochs: 10 ** 6 steps
+
+
+def check_schedule_length(epochs, niter_per_ep):
+    """A schedule holds a value per step: an enormous --epochs is refused, not out of memory."""
+    if epochs * niter_per_ep > MAX_SCHEDULE_STEPS:
+        die(f"--epochs {epochs} of {niter_per_ep} steps each are {epochs * niter_per_ep:.3g} "
+            f"steps, more than the {MAX_SCHEDULE_STEPS:.0e} that a run's schedules hold (a value "
+            f"per step); lower --epochs")
+
+
 def teacher_temperature_schedule(warmup_teacher_temp, teacher_temp, warmup_epochs, nepochs, niter_per_ep=1):
     """Teacher temperature per iteration, linear then constant (whole warm-up epochs ramp per epoch, as the authors')."""
+    check_schedule_length(nepochs, niter_per_ep)
     if float(warmup_epochs).is_integer():
         warmup = np.repeat(np.linspace(warmup_teacher_temp, teacher_temp, int(warmup_epochs)), niter_per_ep)
     else:
