@@ -225,6 +225,12 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
         if state is not ckpt:
             common.die(f"--checkpoint_key {checkpoint_key} picks {kind} in {path}, not a network's weights; choose "
                        f"teacher or student")
+        entries = ckpt.items() if isinstance(ckpt, dict) else ()
+        networks = [str(k) for k, v in entries if isinstance(v, dict) and v
+                    and all(torch.is_tensor(t) for t in v.values())]
+        if networks:            # e.g. {"model": ...}, {"state_dict": ...}: another tool's wrapper
+            common.die(f"--pretrained_weights {path} holds the weights of {', '.join(networks)}: "
+                       f"choose one with --checkpoint_key {networks[0]}")
         common.die(f"--pretrained_weights {path} holds {kind}, not a network's weights (a state dict): give a "
                    f"checkpoint.pth, a teacher_backbone.pth or released backbone weights")
     record = recorded_backbone(ckpt) if full else dict(arch=arch, patch_size=patch_size)

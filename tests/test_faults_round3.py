@@ -267,3 +267,18 @@ def test_an_enormous_epochs_is_refused_not_out_of_memory(tmp_path):
                               "--output_dir", str(tmp_path)))
     assert "error: --epochs 2147483647 of 6 steps each are 1.29e+10 steps, more than the 1e+08" in line
     assert line.endswith("lower --epochs"), line
+
+
+# ------------------------------------------------------------------------------------------------
+# Smaller: a wrapped weights file, gpu_check's unknown part
+# ------------------------------------------------------------------------------------------------
+def test_weights_wrapped_in_a_model_entry_suggest_the_checkpoint_key(tmp_path):
+    weights = common.build_backbone("vit_pico", patch_size=16, img_size=32).state_dict()
+    torch.save({"model": weights, "epoch": 3}, tmp_path / "w.pth")
+    flags = [*[f for f in EVAL if f != "--random_init"], "--dataset", "synthetic", "--synthetic_images", "16",
+             "--synthetic_image_size", "32", "--nb_knn", "2", "--pretrained_weights", str(tmp_path / "w.pth")]
+    assert last_line(run_here("eval_knn.py", *flags)) == (
+        f"error: --pretrained_weights {tmp_path / 'w.pth'} holds the weights of model: "
+        "choose one with --checkpoint_key model")
+    result = run_here("eval_knn.py", *flags, "--checkpoint_key", "model")
+    assert result.returncode == 0, result.stderr[-2000:]
