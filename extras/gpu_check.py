@@ -455,7 +455,6 @@ def main(argv=None):
     form, out = "gpu" if gpus else "cpu", Path(args.out)
     if out.is_dir() and any(out.iterdir()):
         common.die(f"--out {out} is not empty: remove it or choose another folder")
-    common.make_folder(out, "--out")
     parts = plan(form, gpus, out)
     if args.parts:
         unknown = sorted(set(args.parts) - {p.name for p in parts})
@@ -463,6 +462,7 @@ def main(argv=None):
             common.die(f"--parts {' '.join(unknown)}: no such part here; choose among {' '.join(p.name for p in parts)}")
         parts = [p for p in parts if p.name in args.parts or any(p.name in q.needs for q in parts if q.name in args.parts)]
     check_commands(parts)
+    common.make_folder(out, "--out")         # after every refusal: a refused check leaves no folder
     print(f"gpu_check: the {form} form, {f'{gpus} GPU(s)' if gpus else 'CPU'}, torch {torch.__version__}, {len(parts)} "
           f"parts; logs in {out}", flush=True)
     results, start = {}, time.time()

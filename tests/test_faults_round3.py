@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from test_faults import ENV, EVAL, TINY, image_folder, one_line_error, run  # noqa: E402
+from test_faults import ENV, EVAL, TINY, image_folder  # noqa: E402
 from test_reliability import descendants, run_here, stop_at_check  # noqa: E402
 
 
@@ -282,3 +282,11 @@ def test_weights_wrapped_in_a_model_entry_suggest_the_checkpoint_key(tmp_path):
         "choose one with --checkpoint_key model")
     result = run_here("eval_knn.py", *flags, "--checkpoint_key", "model")
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_gpu_check_with_an_unknown_part_leaves_no_folder(tmp_path):
+    sys.path.append(str(ROOT / "extras"))
+    import gpu_check
+    with pytest.raises(SystemExit, match="--parts nosuch: no such part here"):
+        gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "check"), "--parts", "nosuch"])
+    assert not (tmp_path / "check").exists()
