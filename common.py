@@ -1049,10 +1049,19 @@ def install_preemption_handler():
         signal.signal(sig, handler)
 
 
-# A scheduler kills a job some time after its signal (SLURM's KillWait, 30 s by default; a
-# requeue's --signal gives more): a step blocked on a read (a FIFO, a hung mount) must not
-# outlast it silently.
-PREEMPTION_GRACE_S = float(os.environ.get("PREEMPTION_GRACE_SECONDS", 120))
+def grace_seconds(text):
+    """PREEMPTION_GRACE_SECONDS: a finite number of seconds above 0, else one line."""
+    with contextlib.suppress(ValueError):
+        if 0 < float(text) < math.inf:
+            return float(text)
+    die(f"PREEMPTION_GRACE_SECONDS={text} is not a finite number of seconds above 0; set it to "
+        f"e.g. 300 (the default), or unset it")
+
+
+# A step blocked on a read (a FIFO, a hung mount) must not outlast a preemption signal silently
+# (`timeout` sends no SIGKILL; SLURM's comes after KillWait, 30 s by default). 300 s: more than a
+# step or an epoch's validation takes, so that a run that is merely slow still checkpoints.
+PREEMPTION_GRACE_S = grace_seconds(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
 _checkpoint_reached = threading.Event()     # set as a preempted run writes or awaits its checkpoint
 
 

@@ -290,3 +290,14 @@ def test_gpu_check_with_an_unknown_part_leaves_no_folder(tmp_path):
     with pytest.raises(SystemExit, match="--parts nosuch: no such part here"):
         gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "check"), "--parts", "nosuch"])
     assert not (tmp_path / "check").exists()
+
+
+def test_a_grace_period_that_is_no_number_of_seconds_is_one_line():
+    result = subprocess.run([sys.executable, "-c", "import common"], cwd=ROOT, capture_output=True,
+                            text=True, env={**ENV, "PREEMPTION_GRACE_SECONDS": "abc"})
+    assert last_line(result) == ("error: PREEMPTION_GRACE_SECONDS=abc is not a finite number of "
+                                 "seconds above 0; set it to e.g. 300 (the default), or unset it")
+    for value in ("0", "-1", "inf", "nan"):
+        with pytest.raises(SystemExit, match=f"PREEMPTION_GRACE_SECONDS={value} is not a finite"):
+            common.grace_seconds(value)
+    assert common.grace_seconds("2.5") == 2.5
