@@ -451,6 +451,14 @@ def load_features(folder):
                    f"split, one D); write them again with --dump_features")
     if not (train_features.isfinite().all() and test_features.isfinite().all()):
         common.die(f"--load_features {folder} holds non-finite features (NaN or inf): there is no k-NN result")
+    labels = torch.cat([train_labels.double(), test_labels.double()])
+    if not (labels.isfinite().all() and (labels == labels.round()).all() and (labels >= 0).all()):
+        common.die(f"--load_features {folder} holds labels that are no class index (negative, "
+                   f"fractional or not finite); write them again with --dump_features")
+    # class indices 0..C-1 in their order: another tool's sparse ones (e.g. 10 ** 9) would size the
+    # vote's one-hot rows
+    dense = torch.unique(labels, return_inverse=True)[1]
+    train_labels, test_labels = dense[:len(train_labels)], dense[len(train_labels):]
     # the vote needs unit rows and int64 labels: --dump_features wrote them so, another tool may not have
     return (F.normalize(train_features.float(), dim=1), train_labels.long(), F.normalize(test_features.float(), dim=1),
             test_labels.long())

@@ -301,3 +301,30 @@ def test_a_grace_period_that_is_no_number_of_seconds_is_one_line():
         with pytest.raises(SystemExit, match=f"PREEMPTION_GRACE_SECONDS={value} is not a finite"):
             common.grace_seconds(value)
     assert common.grace_seconds("2.5") == 2.5
+
+
+# ------------------------------------------------------------------------------------------------
+# Every file a script reads is checked before use: labels of saved features
+# ------------------------------------------------------------------------------------------------
+def save_features(folder, train_labels, test_labels):
+    import eval_knn
+    train = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.1]])
+    for name, value in zip(eval_knn.FEATURE_FILES, (train, train_labels, torch.tensor([[0.1, 0.9]]),
+                                                    test_labels)):
+        torch.save(value, folder / name)
+    return eval_knn.get_args_parser().parse_args(["--load_features", str(folder), "--nb_knn", "1"])
+
+
+def test_saved_labels_that_are_no_class_index_are_refused(tmp_path):
+    import eval_knn
+    for train_labels in (torch.tensor([0, -1, 2]), torch.tensor([0.0, 1.5, 2.0])):
+        args = save_features(tmp_path, train_labels, torch.tensor([1]))
+        with pytest.raises(SystemExit, match="holds labels that are no class index"):
+            eval_knn.main(args)
+
+
+def test_sparse_saved_labels_are_voted_as_dense_classes(tmp_path):
+    """Another tool's class ids (e.g. 10 ** 12) sized the vote's one-hot rows: out of memory."""
+    import eval_knn
+    args = save_features(tmp_path, torch.tensor([0, 10 ** 12, 7]), torch.tensor([10 ** 12]))
+    assert eval_knn.main(args) == {1: (100.0, None)}
