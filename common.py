@@ -1041,10 +1041,10 @@ def install_preemption_handler():
     (or, past the grace period, `end_unless_checkpointed`)."""
     def handler(signum, frame):
         global _preemption_signal
-        if _preemption_signal is None:
+        if _preemption_signal is None:       # the grace period starts: a checkpoint written
+            _checkpoint_reached.clear()       # from now on ends it
             threading.Thread(target=end_unless_checkpointed, daemon=True).start()
         _preemption_signal = signal.Signals(signum).name
-    _checkpoint_reached.clear()
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
 

@@ -135,9 +135,13 @@ def test_a_fifo_in_an_image_folder_is_not_listed(tmp_path):
 
 BLOCKED_STEP = """
 import sys
+from pathlib import Path
 sys.path.insert(0, {root!r})
 import common, dino
-common.load_image = lambda path: open({fifo!r}).read()     # a read that never returns
+real = common.load_image
+def load_image(path):              # epoch 1 blocks on a read that never returns
+    return open({fifo!r}).read() if Path({checkpoint!r}).exists() else real(path)
+common.load_image = load_image
 common.run_script(dino.main, dino.get_args_parser(), {argv!r})
 """
 
@@ -145,12 +149,14 @@ common.run_script(dino.main, dino.get_args_parser(), {argv!r})
 def test_sigterm_ends_a_step_blocked_on_a_read_within_the_grace_period(tmp_path):
     image_folder(tmp_path / "data" / "train", ["a", "b"])
     os.mkfifo(tmp_path / "fifo")
-    argv = [*on_folder(TINY, tmp_path / "data"), "--output_dir", str(tmp_path / "out")]
-    code = BLOCKED_STEP.format(root=str(ROOT), fifo=str(tmp_path / "fifo"), argv=argv)
+    argv = [*on_folder(TINY, tmp_path / "data"), "--epochs", "2", "--output_dir", str(tmp_path / "out")]
+    checkpoint = tmp_path / "out" / "checkpoint.pth"
+    code = BLOCKED_STEP.format(root=str(ROOT), fifo=str(tmp_path / "fifo"), argv=argv,
+                               checkpoint=str(checkpoint))
     job = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, env={**ENV, "PREEMPTION_GRACE_SECONDS": "2"})
-    for line in job.stdout:                # started: the first step is reading
-        if line.startswith("data:"):
+    for line in job.stdout:                # epoch 0 is checkpointed: epoch 1's first step is reading
+        if "epoch=0" in line:
             break
     time.sleep(0.5)
     job.send_signal(signal.SIGTERM)
@@ -163,7 +169,8 @@ def test_sigterm_ends_a_step_blocked_on_a_read_within_the_grace_period(tmp_path)
     assert job.returncode == 1 and "Traceback" not in err, err[-2000:]
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: received SIGTERM, but the step did not reach its checkpoint within 2 s")
-    assert line.endswith(f"before the first checkpoint ({tmp_path / 'out' / 'checkpoint.pth'}) was written")
+    assert f"(a read that never returns?): the last checkpoint is {checkpoint} (written " in line
+    assert line.endswith("run the same command again to resume"), line
 
 
 # ------------------------------------------------------------------------------------------------
