@@ -15,6 +15,8 @@ A docstring that starts with "Collective" marks a function that every process mu
 import argparse
 import atexit
 import contextlib
+import ctypes
+import datetime
 import errno
 import fcntl
 import functools
@@ -25,13 +27,17 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
 import re
 import resource
 import signal
 import socket
+import stat
 import sys
+import threading
 import time
+import zipfile
 from functools import partial
 from pathlib import Path
 
@@ -678,10 +684,26 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
 
     def __init__(self, root, skip_bad_images=False):
         refuse_revisited_folders(root)
-        super().__init__(root, loader=load_image)
+        super().__init__(root, loader=load_image, is_valid_file=self.is_image_file)
         self.skip_bad_images = skip_bad_images
         self.substitute = True
         self.skipped = multiprocessing.Value("l", 0)
+
+    def find_classes(self, directory):
+        """Class folders, without hidden ones (`.ipynb_checkpoints`: no class of the data)."""
+        classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and e.name[0] != ".")
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {name: i for i, name in enumerate(classes)}
+
+    def is_image_file(self, path):
+        """A regular file with an image's name, in no hidden folder and not hidden (`._x.png`)."""
+        hidden = any(part[0] == "." for part in Path(os.path.relpath(path, self.root)).parts)
+        with contextlib.suppress(OSError):  # unreadable, a broken link: `load_image` names it
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                return False  # a FIFO or a device: a read could block for ever
+        extensions = tv_datasets.folder.IMG_EXTENSIONS
+        return not hidden and tv_datasets.folder.has_file_allowed_extension(path, extensions)
 
     def __getitem__(self, index):
         for attempt in range(len(self)):
@@ -820,15 +842,19 @@ DATASETS = ["folder", "synthetic", "fashion_mnist", "cifar10", "cifar100", "svhn
 
 
 def build_dataset(args, train=True):
-    """The train or test split of --dataset; with --holdout N, both from the train split."""
+    """The train or test split of --dataset; with --holdout N, both from the train split: N of its
+    images (the last N; of a folder, sorted by class, N drawn with seed 0) and the others."""
     holdout = getattr(args, "holdout", 0)
     if not holdout:
         return named_dataset(args, train)
     full = named_dataset(args, train=True)
     if not 0 < holdout < len(full):
         die(f"--holdout {holdout} must be between 1 and the {len(full)} train images minus one")
-    kept = len(full) - holdout
-    part = torch.utils.data.Subset(full, range(kept) if train else range(kept, len(full)))
+    order = list(range(len(full)))
+    if isinstance(full, tv_datasets.DatasetFolder):  # sorted by class: the last N, one class
+        order = torch.randperm(len(full), generator=torch.Generator().manual_seed(0)).tolist()
+    kept = order[:len(full) - holdout] if train else order[len(full) - holdout:]
+    part = torch.utils.data.Subset(full, sorted(kept))
     part.classes = getattr(full, "classes", None)
     return part
 
@@ -858,6 +884,10 @@ def named_dataset(args, train):
     root = next((root / s for s in splits if (root / s).is_dir()), root if train else None)
     if root is None:
         die(f"no val/ or test/ folder in --data_path {path} for evaluation")
+    held = [s for s in ("val", "test") if train and root == Path(path) and (root / s).is_dir()]
+    if held:  # the folder itself would be the train split, an evaluation split inside it
+        die(f"--data_path {path} has no train/ folder but has {held[0]}/: the train split would "
+            f"hold {held[0]}/'s images; put the training images in {Path(path) / 'train'}")
     try:
         return ImageFolderSafe(str(root), skip_bad_images=getattr(args, "skip_bad_images", False))
     except FileNotFoundError as e:
@@ -998,9 +1028,23 @@ def init_distributed(device="auto"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if (world_size > 1 or "RANK" in os.environ) and not dist.is_initialized():
+        end_with_launcher()
         dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo",
-                                device_id=chosen if chosen.type == "cuda" else None)
+                                device_id=chosen if chosen.type == "cuda" else None,
+                                timeout=PROCESS_GROUP_TIMEOUT)
     return chosen
+
+
+# The others wait in a collective while rank 0 alone writes a checkpoint (1 GB to a slow disk) or
+# votes a large k-NN: NCCL's default 10 minutes would end the job; a true hang is ended later.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
+def end_with_launcher():
+    """Linux: a torchrun worker gets SIGTERM when its launcher dies, even by SIGKILL (it would run
+    on alone): a preemption, so the step finishes and the checkpoint is written."""
+    if sys.platform.startswith("linux") and "TORCHELASTIC_RUN_ID" in os.environ:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def choose_precision(device):
@@ -1110,12 +1154,48 @@ def ignore_preemption_signals(_worker_id):
 
 
 def install_preemption_handler():
-    """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0."""
+    """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0
+    (or, past the grace period, `end_unless_checkpointed`)."""
     def handler(signum, frame):
         global _preemption_signal
+        if _preemption_signal is None:  # the grace period starts: a checkpoint from now on ends it
+            _checkpoint_reached.clear()
+            threading.Thread(target=end_unless_checkpointed, daemon=True).start()
         _preemption_signal = signal.Signals(signum).name
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
+
+
+def grace_seconds(text):
+    """PREEMPTION_GRACE_SECONDS: a finite number of seconds above 0, else one line."""
+    with contextlib.suppress(ValueError):
+        if 0 < float(text) < math.inf:
+            return float(text)
+    die(f"PREEMPTION_GRACE_SECONDS={text} is not a finite number of seconds above 0; set it to "
+        f"e.g. 300 (the default), or unset it")
+
+
+# A step blocked on a read (a FIFO, a hung mount) must not outlast a preemption signal silently
+# (`timeout` sends no SIGKILL; SLURM's comes after KillWait, 30 s by default). 300 s: more than a
+# step or an epoch's validation takes, so that a run that is merely slow still checkpoints.
+PREEMPTION_GRACE_S = grace_seconds(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
+_checkpoint_reached = threading.Event()  # set as a preempted run writes or awaits its checkpoint
+
+
+def end_unless_checkpointed():
+    """After a preemption signal, in a thread: end the process in one line if the step has not
+    reached the checkpoint within the grace period (the main thread may be blocked where no signal
+    reaches it)."""
+    if _checkpoint_reached.wait(PREEMPTION_GRACE_S):
+        return
+    message = (f"error: received {_preemption_signal}, but the step did not reach its checkpoint "
+               f"within {PREEMPTION_GRACE_S:g} s (a read that never returns?); the last "
+               f"checkpoint, if any, is kept: run the same command again to resume")
+    bar = bool(getattr(tqdm, "_instances", ()))  # a progress bar's line is open: end it
+    print("\n" * bar + message, file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():  # loader workers ignore SIGTERM
+        child.kill()
+    os._exit(1)
 
 
 def preemption_requested(device=None):
@@ -1125,6 +1205,7 @@ def preemption_requested(device=None):
 
 def exit_after_preemption(output_dir):
     """Collective: say where the checkpoint is, wait for rank 0 to have written it, exit 0."""
+    _checkpoint_reached.set()
     close_progress_bars()
     log(f"received {_preemption_signal or 'a preemption signal'}: checkpoint written to "
         f"{Path(output_dir) / 'checkpoint.pth'}; run the same command again to resume")
@@ -1195,6 +1276,7 @@ def open_for_writing(path, mode="w"):
 def save_checkpoint(state, path):
     """Write atomically (temporary file, fsync, rename): a crash leaves the old or new file."""
     path = Path(path)
+    _checkpoint_reached.set()  # a preempted step's grace period ends here
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open_for_writing(tmp, "wb") as f:
@@ -1231,16 +1313,34 @@ def load_checkpoint(path, what="checkpoint", remedy=""):
         with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before 1.6 a pickle
             start = f.read(2)
         if start in (b"PK", b"\x80\x02"):  # else e.g. an image: torch would advise weights_only
+            check_archive(path, what, remedy)
             with torch.serialization.safe_globals([argparse.Namespace]):  # the authors' args
                 return torch.load(path, map_location="cpu", weights_only=True)
     except OSError as e:  # the file system's reason: a folder, no permission
         die(f"{what} {path} cannot be read: {e.strerror or e}{remedy}")
+    except pickle.UnpicklingError as e:  # weights_only refused an object: never advise loading it
+        refused = str(e).split("WeightsUnpickler error: ")[-1].split(" was not an allowed")[0]
+        die(f"{what} {path} holds more than tensors and plain values ({refused.splitlines()[0]}): "
+            f"refused unread, as loading it could run code; give a file written by these "
+            f"scripts{remedy}")
     except Exception as e:  # torch's reason: a cut-off write?
         reason = (str(e).strip() or type(e).__name__).splitlines()[0]
         die(f"{what} {path} cannot be read (truncated?): {reason}{remedy}")
     if not start:
         die(f"{what} {path} is empty (0 bytes){remedy}")
     die(f"{what} {path} is not a PyTorch file (it starts {start!r}){remedy}")
+
+
+def check_archive(path, what, remedy):
+    """torch.load does not check a zip archive's CRCs: flipped bits in a tensor load silently."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, EOFError):  # not a whole archive: torch.load names the reason
+        return
+    if damaged:
+        die(f"{what} {path} is damaged: the checksum of its entry {damaged} fails (bits changed on "
+            f"the disk or in a copy){remedy}")
 
 
 def load_state_dict_strict(module, state_dict, what="model"):
@@ -1279,11 +1379,28 @@ def restore(checkpoint, **objects):
 
 
 def checkpoint_to_resume(output_dir):
-    """--output_dir's checkpoint.pth, or None for a fresh start (stale temporaries removed)."""
+    """Collective: --output_dir's checkpoint.pth, or None for a fresh start (stale temporaries
+    removed)."""
     path = Path(output_dir) / "checkpoint.pth"
     if is_main_process():
         remove_stale_temporaries(output_dir)
-    return load_checkpoint(path) if path.exists() else None
+    return agree_on_resume(path, load_checkpoint(path) if path.exists() else None)
+
+
+def agree_on_resume(path, ckpt):
+    """Collective: rank 0 decides whether the job resumes; a process that cannot read the
+    checkpoint rank 0 resumes from (an --output_dir not shared between nodes) stops the job."""
+    found = (ckpt.get("epoch"), ckpt.get("step")) if ckpt is not None else None
+    views = all_gather_objects((found, socket.gethostname()))
+    if views[0][0] is None:
+        return None  # a fresh start: another node's old file is not read
+    for rank, (theirs, host) in enumerate(views):
+        if theirs != views[0][0]:
+            saw = f"it sees epoch {theirs[0]}, step {theirs[1]}" if theirs else "it finds no file"
+            die(f"process {rank} (host {host}) cannot read the {path} that process 0 resumes from "
+                f"(epoch {views[0][0][0]}, step {views[0][0][1]}; {saw}): give every node one "
+                f"--output_dir on a shared file system (an absolute path)")
+    return ckpt
 
 
 def resume_position(ckpt, output_dir):
@@ -1397,13 +1514,30 @@ def ranged(kind, low=None, high=None, low_open=False):
         if too_low or too_high or not math.isfinite(value):  # inf, NaN
             raise argparse.ArgumentTypeError(
                 f"{text} is out of range: expected a value in {bounds}")
+        problem = number_problem(kind, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text} {problem}")
         return value
     parse.__name__ = f"{kind.__name__} in {bounds}"
     return parse
 
 
-POSITIVE_INT = ranged(int, 1)  # sizes, batches, epochs
+def number_problem(kind, value):
+    """What the libraries cannot hold, whatever the flag's range: an integer past int32 (torch's
+    and numpy's sizes, seeds, counts), a float that float32 (the networks') rounds to 0 or inf."""
+    tiny = float(np.finfo(np.float32).tiny)
+    huge = float(np.finfo(np.float32).max)
+    if kind is int and value > 2 ** 31 - 1:
+        return f"is too large: expected at most {2 ** 31 - 1} (a 32-bit integer)"
+    if kind is float and value and not tiny <= abs(value) <= huge:
+        return (f"is out of float32's range, where it would be {'inf' if abs(value) > 1 else '0'}: "
+                f"expected a size from {tiny:.3g} to {huge:.3g}")
+    return ""
+
+
+POSITIVE_INT = ranged(int, 1)  # sizes, batches
 COUNT = ranged(int, 0)  # 0 allowed: "none" or "off"
+EPOCHS = ranged(int, 1, 10_000)  # the schedules hold a value per step (DINO's longest: 800)
 POSITIVE = ranged(float, 0, low_open=True)  # temperatures
 NONNEGATIVE = ranged(float, 0)  # learning rates, weight decay, loss weights
 FRACTION = ranged(float, 0, 1)  # momenta, probabilities, rates
@@ -1455,9 +1589,10 @@ def add_data_args(parser):
                    help="side of synthetic images (pixels)")
     g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic set to draw")
     g.add_argument("--holdout", default=0, type=COUNT,
-                   help="a validation split: the train split's last N images are the test "
-                        "split, the others the train split (training and the k-NN bank), so "
-                        "settings are chosen without the test set")
+                   help="a validation split: N train images (the last N; of a folder, sorted by "
+                        "class, N drawn with seed 0) are the test split, the others the train "
+                        "split (training and the k-NN bank), so settings are chosen without the "
+                        "test set")
     g.add_argument("--skip_bad_images", action="store_true",
                    help="skip (log and count) unreadable images, not stop")
     g.add_argument("--num_workers", default=10, type=COUNT,

@@ -73,7 +73,7 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=64, type=common.POSITIVE_INT,
                    help="images per process")
-    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT,
+    g.add_argument("--epochs", default=100, type=common.EPOCHS,
                    help="training epochs; the paper's ViT-S/16 recipe: 300 "
                         "(the authors' default 100)")
     g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE,

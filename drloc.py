@@ -141,7 +141,7 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=128, type=common.POSITIVE_INT,
                    help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT,
+    g.add_argument("--epochs", default=100, type=common.EPOCHS,
                    help="training epochs (the paper's from-scratch and fine-tuning runs: 100)")
     g.add_argument("--lr", default=5e-4, type=common.NONNEGATIVE,
                    help="peak lr at total batch 512 (linear scaling)")

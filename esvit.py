@@ -103,7 +103,7 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=32, type=common.POSITIVE_INT,
                    help="images per process (the paper: 32 x 16 GPUs = 512)")
-    g.add_argument("--epochs", default=300, type=common.POSITIVE_INT,
+    g.add_argument("--epochs", default=300, type=common.EPOCHS,
                    help="training epochs (EsViT: 300)")
     g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE,
                    help="peak lr at total batch 256 (linear scaling)")
@@ -411,6 +411,11 @@ def main(args):
     elif args.init_from:
         start_epoch, start_step = init_from_view_only(args.init_from, student, teacher,
                                                       criterion, args)
+        if start_step >= n_steps:  # a mid-epoch checkpoint of longer epochs: none of it is left
+            common.die(f"--init_from {args.init_from} stopped after step {start_step} of epoch "
+                       f"{start_epoch}, but this run's epochs have {n_steps} steps (other data or "
+                       f"--max_steps_per_epoch?); give a checkpoint of an epoch's end, or the "
+                       f"run's data and steps")
 
     common.save_args(args, "esvit.py")  # every start-up check passed
     if start_epoch == args.epochs:  # --epochs lowered to those trained: a finished run's files

@@ -213,6 +213,12 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
         if state is not ckpt:
             common.die(f"--checkpoint_key {checkpoint_key} picks {kind} in {path}, not a network's "
                        f"weights; choose teacher or student")
+        entries = ckpt.items() if isinstance(ckpt, dict) else ()
+        networks = [str(k) for k, v in entries if isinstance(v, dict) and v
+                    and all(torch.is_tensor(t) for t in v.values())]
+        if networks:  # e.g. {"model": ...}, {"state_dict": ...}: another tool's wrapper
+            common.die(f"--pretrained_weights {path} holds the weights of {', '.join(networks)}: "
+                       f"choose one with --checkpoint_key {networks[0]}")
         common.die(f"--pretrained_weights {path} holds {kind}, not a network's weights (a state "
                    "dict): give a checkpoint.pth, a teacher_backbone.pth or released backbone "
                    "weights")
@@ -459,6 +465,15 @@ def load_features(folder):
     if not (train_features.isfinite().all() and test_features.isfinite().all()):
         common.die(f"--load_features {folder} holds non-finite features (NaN or inf): there is no "
                    "k-NN result")
+    labels = torch.cat([train_labels.double(), test_labels.double()])
+    if not (labels.isfinite().all() and (labels == labels.round()).all() and (labels >= 0).all()):
+        common.die(f"--load_features {folder} holds labels that are no class index (negative, "
+                   f"fractional or not finite); write them again with --dump_features")
+    # class indices 0..C-1 in their order: another tool's sparse ones (e.g. 10 ** 9) would size the
+    # vote's one-hot rows
+    dense = torch.unique(labels, return_inverse=True)[1]
+    train_labels = dense[:len(train_labels)]
+    test_labels = dense[len(train_labels):]
     # the vote needs unit rows and int64 labels: --dump_features wrote them so, another tool may
     # not have
     return (F.normalize(train_features.float(), dim=1), train_labels.long(),

@@ -65,7 +65,7 @@ def get_args_parser():
     g.add_argument("--avgpool_patchtokens", default=False, type=common.bool_flag,
                    help="add the mean of the patch tokens to the CLS token (ViT only, with "
                         "--n_last_blocks 1; the paper's choice for ViT-B)")
-    g.add_argument("--epochs", default=100, type=common.POSITIVE_INT,
+    g.add_argument("--epochs", default=100, type=common.EPOCHS,
                    help="epochs of the linear probe (the authors: 100)")
     g.add_argument("--lr", default=0.001, type=common.NONNEGATIVE,
                    help="lr at total batch 256 (linear scaling); "
@@ -378,6 +378,7 @@ def main(args):
     # it is another's
     ckpt_path = Path(args.output_dir) / "linear_checkpoint.pth"
     ckpt = common.load_checkpoint(ckpt_path) if ckpt_path.exists() else None
+    ckpt = common.agree_on_resume(ckpt_path, ckpt)         # rank 0 decides, for every node
     if ckpt is not None:
         check_same_weights(ckpt, identity, ckpt_path)
         if ckpt.get("args", {}).get("precomputed_features", False) != args.precomputed_features:

@@ -110,7 +110,7 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=32, type=common.POSITIVE_INT,
                    help="images per process (the paper: 32 x 16 GPUs = 512)")
-    g.add_argument("--epochs", default=300, type=common.POSITIVE_INT,
+    g.add_argument("--epochs", default=300, type=common.EPOCHS,
                    help="training epochs (GLSD: 300)")
     g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE,
                    help="peak lr at total batch 256 (linear scaling)")

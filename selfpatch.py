@@ -130,7 +130,7 @@ def get_args_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size_per_gpu", default=64, type=common.POSITIVE_INT,
                    help="images per process (the paper: 1024 in total)")
-    g.add_argument("--epochs", default=200, type=common.POSITIVE_INT,
+    g.add_argument("--epochs", default=200, type=common.EPOCHS,
                    help="training epochs (SelfPatch on ImageNet: 200)")
     g.add_argument("--lr", default=0.0005, type=common.NONNEGATIVE,
                    help="peak lr at total batch 256 (linear scaling)")

@@ -545,7 +545,6 @@ def main(argv=None):
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()):
         common.die(f"--out {out} is not empty: remove it or choose another folder")
-    common.make_folder(out, "--out")
     parts = plan(form, gpus, out)
     if args.parts:
         unknown = sorted(set(args.parts) - {p.name for p in parts})
@@ -555,6 +554,7 @@ def main(argv=None):
         wanted = [q for q in parts if q.name in args.parts]
         parts = [p for p in parts if p.name in args.parts or any(p.name in q.needs for q in wanted)]
     check_commands(parts)
+    common.make_folder(out, "--out")  # after every refusal: a refused check leaves no folder
     print(f"gpu_check: the {form} form, {f'{gpus} GPU(s)' if gpus else 'CPU'}, torch "
           f"{torch.__version__}, {len(parts)} parts; logs in {out}", flush=True)
     results = {}
