@@ -51,7 +51,21 @@ def log_key(record):
 def current(records):
     """(the log's lines the tables show, [(a line without a timestamp, its row run again and stamped)]):
     `compare.py --relog` runs the rows of such lines again with the same command."""
-    return provenance.superseded(records, log_key)
+    kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
+    return provenance.superseded(kept, log_key)
+
+
+def withdrawn_table(records):
+    """The lines taken out of the tables (restored to the log with the reason): their figures."""
+    lines = ["| row | data | phase | variant | seed | steps | 20-NN top-1 (%) | linear top-1 (%) | "
+             "logged (UTC) | why withdrawn |", "|---" * 10 + "|"]
+    for r in records:
+        if r.get("withdrawn"):
+            linear = f"{r['linear_top1']:.2f}" if r.get("linear_top1") is not None else "—"
+            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['variant']} | {r['seed']} | "
+                         f"{r['steps']} | {r['knn_top1']:.2f} | {linear} | {provenance.when(r)} | "
+                         f"{r['withdrawn']} |")
+    return "\n".join(lines) if len(lines) > 2 else "No line of the log is withdrawn."
 
 
 def relogged_table(pairs):

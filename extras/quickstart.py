@@ -65,6 +65,13 @@ def run(args):
     weights = ["--pretrained_weights", str(out / "checkpoint.pth")]
     evaluation = ["eval_knn.py", *weights, *eval_data, *EVAL.split()]
     baseline = ["eval_knn.py", *weights, "--random_init", *eval_data, *EVAL.split()]
+    use = None
+    if args.phase == "test":        # the ledger's line, before the split is read
+        row = f"dino trained on {args.data}"
+        use = provenance.record_test_use(args.ledger, {
+            "driver": "quickstart.py", "data": args.eval_data or args.data, "row": row, "seed": 0,
+            "budget": args.steps, "evaluation": "row", "command": " ".join(["python", *train])},
+            args.reason)
     start = time.time()
     provenance.run([sys.executable, *train], out / "train.txt")
     provenance.check_trained(train, out)
@@ -81,7 +88,8 @@ def run(args):
             "ln_k": math.log(json.loads((out / "args.json").read_text())["out_dim"]),
             "precision": json.loads((out / "args.json").read_text()).get("precision"),
             "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)], "raw_output": raw,
-            **({"resumed": True} if resumed else {}), **provenance.stamp(started)}
+            **({"resumed": True} if resumed else {}), **({"test_use": use} if use else {}),
+            **provenance.stamp(started)}
 
 
 def unstamped(records):
@@ -181,13 +189,19 @@ def get_args_parser():
     p.add_argument("--relog", action="store_true",
                    help="run again, with their own data, phase, steps, variant and flags, the lines of --log that "
                         "have no timestamp (written before stamps existed); the stamped line then replaces them")
-    p.add_argument("--table", action="store_true", help="run nothing: rewrite the generated blocks from --log")
+    p.add_argument("--table", action="store_true",
+                   help="run nothing: rewrite the generated blocks from --log")
+    p.add_argument("--ledger", default=str(provenance.LEDGER),
+                   help="every test-phase run is appended here before it starts")
+    p.add_argument("--reason", default="",
+                   help="why a run evaluated on test before is evaluated there again (refused without "
+                        "one); the ledger and the documents show it")
     return p
 
 
 def main():
     args = get_args_parser().parse_args()
-    provenance.run_from_root(args, "work_dir", "data_dir", "log")
+    provenance.run_from_root(args, "work_dir", "data_dir", "log", "ledger")
     if args.steps <= 0 or args.steps % 50:
         sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
     if driver_flags := results.flags_set_by(args.extra, compare.DRIVER_FLAGS):    # as compare.py: its line names them
@@ -195,6 +209,7 @@ def main():
                  f"its line would name another split, dataset, budget or seed than it trained (use --data, --phase, --steps)")
     if not args.table:
         provenance.check_log_writable(args.log)
+        provenance.check_log_writable(args.ledger, what="--ledger")
     todo = [vars(args)]
     if args.relog:
         todo = [{**vars(args), **line} for line in unstamped(provenance.read_log(args.log, LOG_KEYS))]
@@ -206,6 +221,8 @@ def main():
         record = run(job)
         with provenance.locked(job.log), open(job.log, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if record.get("test_use"):
+            provenance.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: 20-NN "
               f"{record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%", flush=True)
     if args.table:

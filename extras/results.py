@@ -39,6 +39,7 @@ import eval_knn  # noqa: E402
 import provenance  # noqa: E402
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
+COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head sized
 # for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
@@ -159,11 +160,29 @@ def pixels_top1(phase):
     return pixels_knn_top1(common.build_dataset(data, train=True), common.build_dataset(data, train=False))
 
 
-def train_and_evaluate(name, variant, extra, phase, seed, work_dir):
-    """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine)."""
+def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None, reason=""):
+    """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine). On the test
+    phase its ledger line is appended first (`ledger`: the ledger's path)."""
     started = provenance.start()
+    use = ledger_use(name, extra, phase, seed, work_dir, ledger or provenance.LEDGER, reason)
     record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir)
-    return {**record, **provenance.stamp(started)}
+    return {**record, **({"test_use": use} if use else {}), **provenance.stamp(started)}
+
+
+def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
+    """The ledger's id of a test-phase run, appended before it trains (None on val). Its budget:
+    the epochs its training command ends with (later flags win)."""
+    if phase != "test":
+        return None
+    script, flags = RUNS[name]
+    if script is None:
+        command, budget = "python extras/results.py --runs pixels --phase test", None
+    else:
+        command = " ".join(["python", script, *flags.split(), *extra.split(), "--seed", str(seed)])
+        budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
+    use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed, "budget": budget,
+           "evaluation": "row", "command": command}
+    return provenance.record_test_use(ledger, use, reason)
 
 
 def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
@@ -409,9 +428,12 @@ def unstamped_note(records):
             f"tables above then show them:\n\n```bash\n{commands}\n```")
 
 
-def generated_blocks(records):
+def generated_blocks(records, ledger=None):
     """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes the
-    unstamped ones of its run, and the others are only listed (unstamped_note)."""
+    unstamped ones of its run, and the others are only listed (unstamped_note); the test uses from
+    the ledger (its path; default: the committed one)."""
+    uses = provenance.ledger_table(provenance.read_ledger(ledger or COMMITTED_LEDGER),
+                                   {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
     blocks = {"relogged": relogged_table(relogged), "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
     records = [r for r in records if r.get("utc")]
@@ -423,6 +445,7 @@ def generated_blocks(records):
         blocks[phase] = text
     blocks["commands"] = "```bash\n" + "\n".join(reproducing_commands(records)) + "\n```"
     blocks["drloc_regime"] = drloc_regime(records)
+    blocks["test_uses"] = uses
     return blocks
 
 
@@ -454,18 +477,25 @@ def get_args_parser():
                    help="one JSON line per (run, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from --log")
+    p.add_argument("--ledger", default=str(provenance.LEDGER),
+                   help="every test-phase run is appended here before it starts")
+    p.add_argument("--reason", default="",
+                   help="why a run, seed and budget evaluated on test before is evaluated there again "
+                        "(refused without one); the ledger and the documents show it")
     return p
 
 
 def main():
     args = get_args_parser().parse_args()
-    provenance.run_from_root(args, "work_dir", "log")
+    provenance.run_from_root(args, "work_dir", "log", "ledger")
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
     if flags_set_by(args.extra, RUN_PLACE_FLAGS):        # e.g. a test line trained with --holdout
         sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, --seeds and --work_dir do")
     if args.runs:
         provenance.check_log_writable(args.log)
+        if args.phase == "test":
+            provenance.check_log_writable(args.ledger, what="--ledger")
     logged = {}                 # key: whether one of its lines is stamped
     for r in provenance.read_log(args.log, LOG_KEYS) if args.runs and Path(args.log).is_file() else []:
         logged[log_key(r)] = logged.get(log_key(r), False) or bool(r.get("utc"))
@@ -475,14 +505,17 @@ def main():
             if key in logged and (logged[key] or not args.relog):     # a relaunch goes on where it stopped
                 print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
                 continue
-            record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir)
+            record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir,
+                                        args.ledger, args.reason)
             with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if record.get("test_use"):
+                provenance.record_test_result(args.ledger, record["test_use"], record["top1"])
             baseline = f" (random init {record['random_init_top1']:.2f}%)" if "random_init_top1" in record else ""
             took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"
             print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
-        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
+        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS), args.ledger)
         markdown = RESULTS_MD.read_text()
         refreshed = refresh(markdown, blocks)
         RESULTS_MD.write_text(refreshed)

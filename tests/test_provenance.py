@@ -99,6 +99,13 @@ import provenance  # noqa: E402
 import quickstart  # noqa: E402
 import results  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def ledger_elsewhere(tmp_path, monkeypatch):
+    """A driver run by a test appends its test uses to a ledger of its own, never to the committed one."""
+    monkeypatch.setattr(provenance, "LEDGER", tmp_path / "test_ledger.jsonl")
+
+
 LOGS = {"compare": ROOT / "docs" / "data" / "compare_32px.jsonl", "results": ROOT / "docs" / "data" / "results_32px.jsonl",
         "quickstart": ROOT / "docs" / "data" / "quickstart.jsonl"}
 IDENTITY = {"seed", "steps", "step", "epoch", "network", "args"}    # what names a line, or is compared, not published

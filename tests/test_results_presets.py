@@ -20,6 +20,12 @@ import results  # noqa: E402
 import visualize  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def ledger_elsewhere(tmp_path, monkeypatch):
+    """A driver run by a test appends its test uses to a ledger of its own, never to the committed one."""
+    monkeypatch.setattr(provenance, "LEDGER", tmp_path / "test_ledger.jsonl")
+
+
 @pytest.mark.parametrize("name", [n for n, (script, _) in results.RUNS.items() if script])
 def test_recipe_parses_with_its_script(name):
     script, flags = results.RUNS[name]
