@@ -298,7 +298,7 @@ DRLOC_EVAL_IMAGES = 5000     # DRLoc's small-data runs are evaluated on 5000 ima
 def binomial_error(top1s, images):
     """The binomial standard error, in points, of one evaluation of `images` images at the largest
     error of the accuracies `top1s` (%) (the noise of one run's figure, before any seed)."""
-    worst = max(top1s, key=lambda t: t * (100 - t)) / 100
+    worst = min(max(max(top1s, key=lambda t: t * (100 - t)) / 100, 0.0), 1.0)
     return 100 * math.sqrt(worst * (1 - worst) / images)
 
 

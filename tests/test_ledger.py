@@ -2,6 +2,7 @@
 by its driver before it starts, a second one of the same row, seed and budget is refused without a
 reason, the ledger is never rewritten, and the documents count the uses from it."""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -177,3 +178,26 @@ def test_an_unreadable_ledger_stops_the_driver_before_any_evaluation(tmp_path, m
     with pytest.raises(SystemExit) as stop:
         compare.main()
     assert str(stop.value).startswith("error: --ledger") and not seen
+
+
+def test_the_documents_count_of_test_uses_is_the_ledgers():
+    """Each line of the generated "Test uses" blocks is a (driver, data, row, budget) of the ledger,
+    and its uses per seed add up to the ledger's uses of that group: a reader counts them there."""
+    entries = provenance.read_ledger(LEDGER)
+    uses = [e for e in entries if e["kind"] == "use"]
+    blocks = [compare.generated_blocks(provenance.read_log(ROOT / "docs" / "data" / "compare_32px.jsonl"))
+              ["test_uses"],
+              results.generated_blocks(provenance.read_log(ROOT / "docs" / "data" / "results_32px.jsonl"))
+              ["test_uses"]]
+    counted = 0
+    for text in blocks:
+        for line in text.splitlines()[2:]:
+            driver, data, row, budget, per_seed = [c.strip() for c in line.split("|")[1:6]]
+            group = [e for e in uses if (e["driver"], e["data"], e["row"], str(e["budget"])) ==
+                     (driver, data, row, budget if budget != "—" else "None")]
+            total = sum(int(n) for n in re.findall(r"× (\d+)", per_seed))
+            assert group and total == len(group), line
+            counted += total
+    assert counted == len(uses)                        # every use of the ledger is in a document
+    for name, path in (("compare.py", "docs/COMPARISON.md"), ("results.py", "docs/RESULTS.md")):
+        assert f"<!-- {name}:test_uses -->" in (ROOT / path).read_text()

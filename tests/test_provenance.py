@@ -189,6 +189,8 @@ def test_no_generated_block_holds_a_line_logged_without_its_row():
     records = provenance.read_log(LOGS["compare"])
     logged = {r["row"] for r in records}
     for name, text in compare.generated_blocks(records).items():
+        if name == "test_uses":             # the ledger's rows (tests/test_ledger.py)
+            continue
         for line in text.splitlines()[2:] if text.startswith("|") else []:
             row = line.split("|")[1].strip().strip("`")
             assert row in logged | {"raw pixels", "vit_pico", "swin_pico3"}, (name, row)
