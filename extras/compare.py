@@ -310,7 +310,8 @@ def add_evaluation(row, args, seed, kind):
     """The linear probe (kind "linear_top1") or the learning curve ("curve") of a logged row run
     without it, from its kept checkpoints: written into its log line, with the commands and their cost."""
     key = (args.data, row, args.variant, args.phase, seed)
-    logged = [r for r in compare_tables.current(provenance.read_log(args.log, LOG_KEYS))[0] if log_key(r) == key]
+    logged = [r for r in compare_tables.current(compare_tables.read_checked(args.log))[0]
+              if log_key(r) == key]
     if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
         return None      # not logged (or twice), already evaluated, or a random init (no curve)
     stamped = bool(logged[0].get("utc"))     # the line the tables show: a relogged row's stamped one
@@ -470,7 +471,7 @@ def main():
                   + (f", {record['train_seconds'] / 60:.1f} min training" if "train_seconds" in record else ""),
                   flush=True)
     if args.table:      # every block is made before any file is written
-        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS), args.ledger)
+        blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
         documents = [(COMPARISON_MD, blocks), *((path, {n: blocks[n] for n in names}) for path, names in SUMMARY_FILES.items())]
         texts = [path.read_text() for path, _ in documents]
         refreshed = [results.refresh(text, chosen, tag=TAG) for text, (_, chosen) in zip(texts, documents)]

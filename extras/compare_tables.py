@@ -38,6 +38,52 @@ SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"}, "EsViT": {"
 cell = results.cell
 
 
+def trained(r):
+    return r.get("row") in METHOD_FLAGS
+
+
+def evaluated(r):
+    return r.get("row") != "pixels"
+
+
+def always(r):
+    return True
+
+
+# every field of a log line that the tables and the curves read: (key, kind, for which lines,
+# optional); provenance.check_fields refuses a line without them in one line
+FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
+          ("variant", "text", always, False), ("phase", {"val", "test"}, always, False),
+          ("seed", "integer", always, False), ("steps", "integer", always, False),
+          ("knn_top1", "number", always, False), ("utc", "text", always, True),
+          ("withdrawn", "text", always, True),
+          *((f"correspondence.{p}.{k}", "number", evaluated, False)
+            for p, k in (("esvit", "top10_accuracy"), ("esvit", "accuracy"), ("overlap", "accuracy"))),
+          ("random_init", "true", lambda r: r.get("row") in RANDOM_ROWS, False),
+          ("linear_top1", "number or null", evaluated, True),
+          ("commands", "list", lambda r: trained(r) and "network" not in r, False),
+          ("network", "object", evaluated, True), ("start_of", "text", evaluated, True),
+          ("train_seconds", "number", evaluated, True), ("peak_memory_mb", "number", evaluated, True),
+          ("teacher_entropy", "number", evaluated, True),
+          ("mean_target_entropy", "number", evaluated, True),
+          ("ln_k", "number", lambda r: "teacher_entropy" in r or "mean_target_entropy" in r, False),
+          ("cpu_seconds", "object", evaluated, True), ("curve", "list", trained, True),
+          ("machine", "object", lambda r: "utc" in r, True), ("extra", "text", always, True)]
+CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", always, False),
+                ("overlap_accuracy", "number", always, False)]
+
+
+def read_checked(path, what="--log"):
+    """The comparison log's records, each holding every field the tables and the curves read (one
+    line and exit 1 if not: a line is data, checked before it is used)."""
+    records = provenance.read_log(path, ("data", "row", "variant", "phase", "seed"), what=what)
+    provenance.check_fields(records, path, FIELDS, what=what)
+    for r in records:
+        provenance.check_fields(r.get("curve") or [], f"{path} ({r['row']} seed {r['seed']}'s curve)",
+                                CURVE_FIELDS, what=what)
+    return records
+
+
 def baseline_row(row):
     """The random-init row of a method row's network: its own, or its backbone's DINO row's."""
     return next((r for r, source in RANDOM_ROWS.items() if source == row), f"{METHOD_FLAGS[row][0]}_random")

@@ -24,6 +24,7 @@ import fcntl
 import functools
 import hashlib
 import importlib
+import io
 import json
 import os
 import platform
@@ -153,12 +154,22 @@ def checkpoint_signature(path):
     return network_signature(common.load_checkpoint(path))
 
 
+METHOD_SCRIPTS = ("dino.py", "esvit.py", "glsd.py", "selfpatch.py", "drloc.py")
+
+
 def parse_training_command(command):
-    """(method module, parsed args) of a logged `python SCRIPT.py FLAGS` training command."""
-    words = command.split()
-    script = Path(words[1]).stem
-    module = importlib.import_module(script)        # a method file, read by the extras only
-    return module, module.get_args_parser().parse_args(words[2:])
+    """(method module, parsed args) of a logged `python SCRIPT.py FLAGS` training command. A log
+    line is data: only a method file of this repository is imported for it, and only by name."""
+    words = command.split() if isinstance(command, str) else []
+    if len(words) < 2 or words[0] != "python" or words[1] not in METHOD_SCRIPTS:
+        sys.exit(f"error: a logged command {str(command)[:60]!r} is not `python METHOD.py FLAGS` "
+                 f"(METHOD.py one of {', '.join(METHOD_SCRIPTS)}): a log line is never imported or run")
+    module = importlib.import_module(words[1][:-3])     # a method file, read by the extras only
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):     # argparse's usage: not this line's words
+            return module, module.get_args_parser().parse_args(words[2:])
+    except SystemExit:
+        sys.exit(f"error: the logged command {command[:60]!r}... does not parse with {words[1]}")
 
 
 def initial_checkpoint(command, seed=None):
@@ -407,3 +418,48 @@ def ledger_table(entries, drivers, unit):
                      f"{count(lambda e: e.get('commit_younger_than_start'))} | "
                      f"{'; '.join(reasons) or '—'} |")
     return "\n".join(lines) if len(lines) > 2 else "No test evaluation is in the ledger yet."
+
+
+# ------------------------------------------------------------------------------------------------
+# What a generator reads from a log line, checked before any table is made
+# ------------------------------------------------------------------------------------------------
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def at(record, path):
+    """record[a][b]... for path "a.b...", or a marker that it is missing."""
+    for part in path.split("."):
+        if not isinstance(record, dict) or part not in record:
+            return MISSING
+        record = record[part]
+    return record
+
+
+MISSING = object()
+KINDS = {"number": is_number, "text": lambda v: isinstance(v, str),
+         "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+         "number or null": lambda v: v is None or is_number(v),
+         "list": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
+         "true": lambda v: v is True}
+
+
+def check_fields(records, path, fields, what="--log"):
+    """Exit with one line unless every record holds, in the kind given, each field a generator reads:
+    `fields` is [(dotted key, kind, whether the record needs it (a function of the record),
+    whether it may be absent)] (kinds: KINDS' names, or a set of the allowed values)."""
+    for number, record in enumerate(records, 1):
+        for key, kind, applies, optional in fields:
+            if not applies(record):
+                continue
+            value = at(record, key)
+            if value is MISSING and optional:
+                continue
+            good = value in kind if isinstance(kind, (set, frozenset)) else \
+                value is not MISSING and KINDS[kind](value)
+            if not good:
+                wanted = f"one of {sorted(kind)}" if isinstance(kind, (set, frozenset)) else f"a {kind}"
+                found = "missing" if value is MISSING else f"{json.dumps(value)[:40]}"
+                sys.exit(f"error: {what} {path} record {number}: {key} is {found}, not {wanted} "
+                         f"(the tables read it); nothing is written")
+    return records

@@ -39,6 +39,20 @@ TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_cr
 EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
 TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
 LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
+# every field of a log line that the tables read: (key, kind, for which lines, optional)
+FIELDS = [("data", "text", lambda r: True, False), ("phase", {"val", "test"}, lambda r: True, False),
+          ("variant", "text", lambda r: True, False), ("knn_top1", "number", lambda r: True, False),
+          ("random_init_knn_top1", "number", lambda r: True, False),
+          ("steps", "integer", lambda r: True, False), ("trained_on", "text", lambda r: True, True),
+          ("train_seconds", "number", lambda r: True, True), ("extra", "text", lambda r: True, True),
+          ("teacher_entropy_last_epoch", "number or null", lambda r: True, True),
+          ("ln_k", "number", lambda r: True, True), ("utc", "text", lambda r: True, True),
+          ("note", "text", lambda r: True, True)]
+
+
+def read_checked(path):
+    """The log's records, each holding every field the tables read (else one line and exit 1)."""
+    return provenance.check_fields(provenance.read_log(path, LOG_KEYS), path, FIELDS)
 
 
 def knn_line(output):
@@ -163,12 +177,13 @@ def result_line(records):
     if r is None:
         return "No run of the quick start is logged yet."
     machine = r.get("machine")         # lines logged before stamps: a description, no time
+    minutes = f"{r['train_seconds'] / 60:.1f} min" if "train_seconds" in r else "a time not logged"
     where = (f"{machine['cpu']}, {machine['cores']} cores, {machine['threads']} thread(s), load average "
              f"{machine['load_average_start'][0]:g} at the start and {machine['load_average_end'][0]:g} at the end, "
              f"{r.get('precision')}, {r['utc']}" if isinstance(machine, dict) else
              f"{machine or 'machine not logged'}; no timestamp")
     return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random initialisation "
-            f"({gain(r)}), {r['train_seconds'] / 60:.1f} min of training ({where}).")
+            f"({gain(r)}), {minutes} of training ({where}).")
 
 
 def generated_blocks(records):
@@ -212,7 +227,7 @@ def main():
         provenance.check_log_writable(args.ledger, what="--ledger")
     todo = [vars(args)]
     if args.relog:
-        todo = [{**vars(args), **line} for line in unstamped(provenance.read_log(args.log, LOG_KEYS))]
+        todo = [{**vars(args), **line} for line in unstamped(read_checked(args.log))]
         print(f"--relog: {len(todo)} line(s) of {args.log} without a timestamp to run again", flush=True)
     for job in todo if not args.table else []:
         job = argparse.Namespace(**job)
@@ -226,7 +241,7 @@ def main():
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: 20-NN "
               f"{record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%", flush=True)
     if args.table:
-        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
+        blocks = generated_blocks(read_checked(args.log))
         texts = {path: (ROOT / path).read_text() for path in TARGETS}
         for path, names in TARGETS.items():
             refreshed = results.refresh(texts[path], {n: blocks[n] for n in names}, tag="quickstart.py")

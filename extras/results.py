@@ -432,6 +432,26 @@ def variant_flags(variant, extra):
 LOG_KEYS = ("run", "phase", "seed")      # every line of the log has them
 
 
+def network_run(r):
+    return RUNS.get(r.get("run"), (None,))[0] is not None
+
+
+# every field of a log line that the tables and the commands read: (key, kind, for which lines,
+# optional); provenance.check_fields refuses a line without them in one line
+FIELDS = [("run", set(RUNS), lambda r: True, False), ("phase", {"val", "test"}, lambda r: True, False),
+          ("seed", "integer", lambda r: True, False), ("top1", "number", lambda r: True, False),
+          ("variant", "text", lambda r: True, True), ("utc", "text", lambda r: True, True),
+          ("train_command", "text", network_run, False),
+          ("peak_memory_mb", "number", network_run, False),
+          ("random_init_top1", "number", network_run, True),
+          ("train_seconds", "number", lambda r: True, True)]
+
+
+def read_checked(path):
+    """The log's records, each holding every field the tables read (else one line and exit 1)."""
+    return provenance.check_fields(provenance.read_log(path, LOG_KEYS), path, FIELDS)
+
+
 def log_key(record):
     return record["run"], record.get("variant", "recipe"), record["phase"], record["seed"]
 
@@ -547,7 +567,7 @@ def main():
             took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"
             print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
-        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS), args.ledger)
+        blocks = generated_blocks(read_checked(args.log), args.ledger)
         markdown = RESULTS_MD.read_text()
         refreshed = refresh(markdown, blocks)
         RESULTS_MD.write_text(refreshed)

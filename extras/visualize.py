@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import compare_tables  # noqa: E402
 import eval_knn  # noqa: E402
-import provenance  # noqa: E402
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
@@ -346,7 +345,7 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
 
 def read_json_lines(path):
     """extras/compare.py's log as its tables show it (compare_tables.current); one line and exit 1 for any other file."""
-    return compare_tables.current(provenance.read_log(path, ("data", "row", "variant", "phase", "seed")))[0]
+    return compare_tables.current(compare_tables.read_checked(path))[0]
 
 
 # ================================================================================================
