@@ -27,6 +27,7 @@ The 60% threshold: per head, sort the patches by attention, keep the largest one
 reaches 60% of the total (the patch that crosses the line is kept), as DINO's visualisation does.
 """
 import argparse
+import json
 import statistics
 import sys
 import textwrap
@@ -34,7 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import PIL
 from PIL import Image, ImageDraw
+from PIL.PngImagePlugin import PngInfo
 from torchvision.io import write_png
 from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 from torchvision.utils import draw_segmentation_masks, make_grid
@@ -432,14 +435,8 @@ def main(args):
     if Path(args.output).is_dir():          # before any work: one line, not a traceback once the picture is drawn
         common.die(f"--output {args.output} is a folder; name the PNG file to write (e.g. {args.picture}.png in it)")
     if args.picture == "curves":
-        records = read_json_lines(args.log)
-        series = curve_series(records, args.data, args.phase, args.variant)
-        if not series:
-            common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
-                       f"--variant {args.variant} (extras/compare.py logs one for each seed in --curve_seeds)")
-        pixels = next((r["knn_top1"] for r in records
-                       if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")), None)
-        return save(curves_picture(series, curves_title(series, args.data, args.phase, args.variant), pixels), args)
+        series, title, pixels = curves_inputs(args)
+        return save_curves(curves_picture(series, title, pixels), curves_data(series, title, pixels), args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":
@@ -486,6 +483,38 @@ def multicrop(args, network=None):
     common.check_start_args(run, stride=None if network else 1)
     return common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale, args.local_crops_number,
                                         args.global_crop_size, args.local_crop_size)
+
+
+def curves_inputs(args):
+    """(series, title, raw-pixel level) of the curves picture that `args` (the curves command's)
+    draws from its --log."""
+    records = read_json_lines(args.log)
+    series = curve_series(records, args.data, args.phase, args.variant)
+    if not series:
+        common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
+                   f"--variant {args.variant} (extras/compare.py logs one for each seed in "
+                   f"--curve_seeds)")
+    pixels = next((r["knn_top1"] for r in records
+                   if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")), None)
+    return series, curves_title(series, args.data, args.phase, args.variant), pixels
+
+
+def curves_data(series, title, pixels):
+    """What a curves picture is drawn from, as the JSON text it carries (its PNG's "curves" chunk):
+    a test compares it with a redraw's, which no font or library version can change."""
+    return json.dumps({"title": title, "series": series, "pixels": pixels}, sort_keys=True)
+
+
+def save_curves(picture, data, args):
+    """The curves picture, with the data it is drawn from and the Pillow that drew its text (a
+    pixel comparison with a redraw holds only under the same Pillow) in its PNG text chunks."""
+    info = PngInfo()
+    info.add_text("curves", data)
+    info.add_text("pillow", PIL.__version__)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    to_pil_image(picture).save(args.output, pnginfo=info)
+    common.log(f"{args.picture} picture written to {args.output}")
+    return picture
 
 
 def save(picture, args):
