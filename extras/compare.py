@@ -233,7 +233,9 @@ def run_row(row, args, seed):
         record["test_use"] = use
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
-        return {**record, "knn_top1": pixels_knn(data), **provenance.stamp(started)}
+        by_k = pixels_knn(data)
+        return {**record, "knn_top1": by_k[20], "knn_top1_by_k": {str(k): v for k, v in by_k.items()},
+                **provenance.stamp(started)}
     out, weights = row_paths(row, args, seed)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "linear").exists():
@@ -348,11 +350,12 @@ def add_evaluation(row, args, seed, kind):
 
 
 def pixels_knn(data):
-    """20-NN of the l2-normalised raw grey pixels (eval_knn.py's vote), on the splits of the rows."""
+    """{k: k-NN top-1} of the l2-normalised raw grey pixels (eval_knn.py's vote) at DINO's four k
+    (results.KNN_KS), on the splits of the rows."""
     parser = argparse.ArgumentParser()
     common.add_data_args(parser)
     data_args = parser.parse_args(data)
-    return results.pixels_knn_top1(common.build_dataset(data_args, train=True),
+    return results.pixels_knn_by_k(common.build_dataset(data_args, train=True),
                                    common.build_dataset(data_args, train=False))
 
 
@@ -452,10 +455,13 @@ def main():
                         print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: {kind} {value}", flush=True)
             rows = []
     for row in rows:
-        # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0
-        pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)
+        # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0,
+        # and once more where no line of it holds the four k (a test use: --reason)
+        pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")
+                            and "knn_top1_by_k" in r for r in logged)
         for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
-            lines = [r for r in logged if log_key(r) == (args.data, row, args.variant, args.phase, seed)]
+            lines = [r for r in logged if log_key(r) == (args.data, row, args.variant, args.phase, seed)
+                     and (row != "pixels" or "knn_top1_by_k" in r)]
             if lines and (any(r.get("utc") for r in lines) or not args.relog):   # --relog: unstamped lines only
                 print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
                 continue

@@ -121,10 +121,18 @@ def parse_collapse(output):
             "ln_k": math.log(int(k.group(1)))}
 
 
+KNN_KS = (10, 20, 100, 200)      # DINO's k of its k-NN evaluation
+
+
 def pixels_knn_top1(bank, queries, resize=32, crop=32):
     """20-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are evaluated on them:
     eval_knn.py's transform (bicubic resize, centre crop, normalisation) flattened and l2-normalised.
     `bank` and `queries` are labelled datasets of PIL images."""
+    return pixels_knn_by_k(bank, queries, (20,), resize, crop)[20]
+
+
+def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
+    """{k: top-1} of pixels_knn_top1's k-NN at each k of `ks`, the features made once."""
     transform = common.eval_transform(resize, crop)
 
     def features(dataset):
@@ -133,8 +141,9 @@ def pixels_knn_top1(bank, queries, resize=32, crop=32):
         return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _, label in pairs])
 
     (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
-    return eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels, k=20, T=0.07,
-                                   num_classes=len(bank.classes))[0]
+    return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels, k=k,
+                                       T=0.07, num_classes=len(bank.classes))[0]
+            for k in ks if k <= len(bank_labels)}        # no k past the bank's size
 
 
 def write_fashion_mnist_8k(data_dir):
