@@ -381,6 +381,7 @@ def generated_blocks(records, ledger=None):
                   long_budget=compare_tables.long_budget_table(records), long_glance=compare_tables.long_glance_table(records),
                   long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
+                  knn_k=compare_tables.knn_k_table(records),
                   test_uses=provenance.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
     blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."

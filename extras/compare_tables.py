@@ -68,7 +68,8 @@ FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
           ("mean_target_entropy", "number", evaluated, True),
           ("ln_k", "number", lambda r: "teacher_entropy" in r or "mean_target_entropy" in r, False),
           ("cpu_seconds", "object", evaluated, True), ("curve", "list", trained, True),
-          ("machine", "object", lambda r: "utc" in r, True), ("extra", "text", always, True)]
+          ("machine", "object", lambda r: "utc" in r, True), ("extra", "text", always, True),
+          ("knn_top1_by_k", "object", always, True)]
 CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", always, False),
                 ("overlap_accuracy", "number", always, False)]
 
@@ -99,6 +100,20 @@ def current(records):
     `compare.py --relog` runs the rows of such lines again with the same command."""
     kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
     return provenance.superseded(kept, log_key)
+
+
+def knn_k_table(records):
+    """The lines that logged the k-NN at DINO's four k (`knn_top1_by_k`), one per line."""
+    ks = ("10", "20", "100", "200")
+    lines = ["| row | data | phase | seed | " + " | ".join(f"{k}-NN top-1 (%)" for k in ks)
+             + " | logged (UTC) |", "|---" * (5 + len(ks)) + "|"]
+    for r in records:
+        if isinstance(r.get("knn_top1_by_k"), dict):
+            values = [r["knn_top1_by_k"].get(k) for k in ks]
+            cells = [f"{v:.2f}" if provenance.is_number(v) else "—" for v in values]
+            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['seed']} | "
+                         + " | ".join(cells) + f" | {provenance.when(r)} |")
+    return "\n".join(lines) if len(lines) > 2 else "No line holds the k-NN at four k yet."
 
 
 def withdrawn_table(records):
@@ -433,3 +448,36 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
             line += " --skip_linear"
         lines.append(line + results.variant_flags(variant, extra))
     return lines
+
+
+# the learning curves' two metrics (extras/visualize.py draws them): log key, axis label
+CURVES = (("knn_top1", "20-NN top-1 (%)"),
+          ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
+
+
+def curve_series(records, data, phase, variant="recipe"):
+    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of the
+    trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
+    checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
+    the initialisation depends on the network and the seed only), then the kept checkpoints, then the
+    final one; mean and range over those seeds at each step."""
+    def point(step, record):
+        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
+
+    base = baselines(records, data, phase)
+    runs = {}
+    for r in records:
+        if (r["data"], r["phase"], r["variant"]) != (data, phase, variant) or not r.get("curve"):
+            continue
+        start = base.get((baseline_row(r["row"]), r["seed"]))
+        points = ([point(0, start)] if start else []) + [
+            (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
+        runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
+    series = {}
+    for row, by_seed in runs.items():
+        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))   # every drawn seed has them
+        series[row] = {"seeds": sorted(by_seed), "points": [
+            (step, {k: (statistics.mean(run[step][k] for run in by_seed.values()),
+                        min(run[step][k] for run in by_seed.values()), max(run[step][k] for run in by_seed.values()))
+                    for k, _ in CURVES}) for step in steps]}
+    return series

@@ -28,15 +28,13 @@ reaches 60% of the total (the patch that crosses the line is kept), as DINO's vi
 """
 import argparse
 import json
-import statistics
 import sys
 import textwrap
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import PIL
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, __version__ as PILLOW
 from PIL.PngImagePlugin import PngInfo
 from torchvision.io import write_png
 from torchvision.transforms.functional import pil_to_tensor, to_pil_image
@@ -206,7 +204,8 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
 # ================================================================================================
 # Learning curves of the comparison (extras/compare.py's JSON lines)
 # ================================================================================================
-CURVES = (("knn_top1", "20-NN top-1 (%)"), ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
+CURVES = compare_tables.CURVES
+curve_series = compare_tables.curve_series
 
 
 # one colour, dash pattern (None: solid) and marker per row, the same in every picture; a row that can
@@ -216,34 +215,6 @@ ROW_STYLES = {"vit_dino": ((230, 25, 75), None, "circle"), "vit_selfpatch": ((60
               "swin_dino": ((170, 110, 40), None, "circle"), "swin_esvit": ((145, 30, 180), None, "square"),
               "swin_glsd_geometric": ((0, 128, 128), None, "diamond"),
               "swin_glsd_similarity": ((240, 170, 0), (7, 5), "triangle")}
-
-
-def curve_series(records, data, phase, variant="recipe"):
-    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of the
-    trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
-    checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
-    the initialisation depends on the network and the seed only), then the kept checkpoints, then the
-    final one; mean and range over those seeds at each step."""
-    def point(step, record):
-        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
-
-    base = compare_tables.baselines(records, data, phase)
-    runs = {}
-    for r in records:
-        if (r["data"], r["phase"], r["variant"]) != (data, phase, variant) or not r.get("curve"):
-            continue
-        start = base.get((compare_tables.baseline_row(r["row"]), r["seed"]))
-        points = ([point(0, start)] if start else []) + [
-            (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
-        runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
-    series = {}
-    for row, by_seed in runs.items():
-        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))   # every drawn seed has them
-        series[row] = {"seeds": sorted(by_seed), "points": [
-            (step, {k: (statistics.mean(run[step][k] for run in by_seed.values()),
-                        min(run[step][k] for run in by_seed.values()), max(run[step][k] for run in by_seed.values()))
-                    for k, _ in CURVES}) for step in steps]}
-    return series
 
 
 def curves_title(series, data, phase, variant):
@@ -510,7 +481,7 @@ def save_curves(picture, data, args):
     pixel comparison with a redraw holds only under the same Pillow) in its PNG text chunks."""
     info = PngInfo()
     info.add_text("curves", data)
-    info.add_text("pillow", PIL.__version__)
+    info.add_text("pillow", PILLOW)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     to_pil_image(picture).save(args.output, pnginfo=info)
     common.log(f"{args.picture} picture written to {args.output}")
