@@ -234,8 +234,9 @@ def run_row(row, args, seed):
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
         by_k = pixels_knn(data)
-        return {**record, "knn_top1": by_k[20], "knn_top1_by_k": {str(k): v for k, v in by_k.items()},
-                **provenance.stamp(started)}
+        by_k = {str(k): value for k, value in by_k.items()}
+        record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k)
+        return {**record, **provenance.stamp(started)}
     out, weights = row_paths(row, args, seed)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "linear").exists():
@@ -423,8 +424,8 @@ def get_args_parser():
     p.add_argument("--ledger", default=str(provenance.LEDGER),
                    help="every test-phase evaluation is appended here before it starts")
     p.add_argument("--reason", default="",
-                   help="why a row, seed and budget evaluated on test before is evaluated there again "
-                        "(refused without one); the ledger and the documents show it")
+                   help="why a row, seed and budget evaluated on test before is evaluated there "
+                        "again (refused without one); the ledger and the documents show it")
     return p
 
 
@@ -440,7 +441,7 @@ def main():
     rows = args.rows if args.rows is not None else [] if args.table else ROWS
     if rows or args.add_linear or args.add_curve:
         provenance.check_log_writable(args.log)
-        if args.phase == "test":       # before any training: a test result would have no ledger line
+        if args.phase == "test":       # before any training: else a result without a ledger line
             provenance.check_log_writable(args.ledger, what="--ledger")
     if args.data == "fashion_mnist_8k" and rows:
         write_fashion_mnist_8k(args.data_dir)
@@ -461,8 +462,9 @@ def main():
         pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")
                             and "knn_top1_by_k" in r for r in logged)
         for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
-            lines = [r for r in logged if log_key(r) == (args.data, row, args.variant, args.phase, seed)
-                     and (row != "pixels" or "knn_top1_by_k" in r)]
+            key = (args.data, row, args.variant, args.phase, seed)
+            lines = [r for r in logged
+                     if log_key(r) == key and (row != "pixels" or "knn_top1_by_k" in r)]
             if lines and (any(r.get("utc") for r in lines) or not args.relog):   # --relog: unstamped lines only
                 print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
                 continue

@@ -58,12 +58,14 @@ FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
           ("knn_top1", "number", always, False), ("utc", "text", always, True),
           ("withdrawn", "text", always, True),
           *((f"correspondence.{p}.{k}", "number", evaluated, False)
-            for p, k in (("esvit", "top10_accuracy"), ("esvit", "accuracy"), ("overlap", "accuracy"))),
+            for p, k in (("esvit", "top10_accuracy"), ("esvit", "accuracy"),
+                         ("overlap", "accuracy"))),
           ("random_init", "true", lambda r: r.get("row") in RANDOM_ROWS, False),
           ("linear_top1", "number or null", evaluated, True),
           ("commands", "list", lambda r: trained(r) and "network" not in r, False),
           ("network", "object", evaluated, True), ("start_of", "text", evaluated, True),
-          ("train_seconds", "number", evaluated, True), ("peak_memory_mb", "number", evaluated, True),
+          ("train_seconds", "number", evaluated, True),
+          ("peak_memory_mb", "number", evaluated, True),
           ("teacher_entropy", "number", evaluated, True),
           ("mean_target_entropy", "number", evaluated, True),
           ("ln_k", "number", lambda r: "teacher_entropy" in r or "mean_target_entropy" in r, False),
@@ -80,8 +82,8 @@ def read_checked(path, what="--log"):
     records = provenance.read_log(path, ("data", "row", "variant", "phase", "seed"), what=what)
     provenance.check_fields(records, path, FIELDS, what=what)
     for r in records:
-        provenance.check_fields(r.get("curve") or [], f"{path} ({r['row']} seed {r['seed']}'s curve)",
-                                CURVE_FIELDS, what=what)
+        where = f"{path} ({r['row']} seed {r['seed']}'s curve)"
+        provenance.check_fields(r.get("curve") or [], where, CURVE_FIELDS, what=what)
     return records
 
 
@@ -123,8 +125,9 @@ def withdrawn_table(records):
     for r in records:
         if r.get("withdrawn"):
             linear = f"{r['linear_top1']:.2f}" if r.get("linear_top1") is not None else "—"
-            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['variant']} | {r['seed']} | "
-                         f"{r['steps']} | {r['knn_top1']:.2f} | {linear} | {provenance.when(r)} | "
+            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['variant']} | "
+                         f"{r['seed']} | {r['steps']} | {r['knn_top1']:.2f} | {linear} | "
+                         f"{provenance.when(r)} | "
                          f"{r['withdrawn']} |")
     return "\n".join(lines) if len(lines) > 2 else "No line of the log is withdrawn."
 
@@ -456,13 +459,14 @@ CURVES = (("knn_top1", "20-NN top-1 (%)"),
 
 
 def curve_series(records, data, phase, variant="recipe"):
-    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of the
-    trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
+    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of
+    the trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
     checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
-    the initialisation depends on the network and the seed only), then the kept checkpoints, then the
-    final one; mean and range over those seeds at each step."""
+    the initialisation depends on the network and the seed only), then the kept checkpoints, then
+    the final one; mean and range over those seeds at each step."""
     def point(step, record):
-        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
+        overlap = record["correspondence"]["overlap"]["accuracy"]
+        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": overlap}
 
     base = baselines(records, data, phase)
     runs = {}
@@ -475,9 +479,12 @@ def curve_series(records, data, phase, variant="recipe"):
         runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
     series = {}
     for row, by_seed in runs.items():
-        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))   # every drawn seed has them
+        # the steps every drawn seed has
+        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))
+
+        def spread(step, k):
+            values = [run[step][k] for run in by_seed.values()]
+            return statistics.mean(values), min(values), max(values)
         series[row] = {"seeds": sorted(by_seed), "points": [
-            (step, {k: (statistics.mean(run[step][k] for run in by_seed.values()),
-                        min(run[step][k] for run in by_seed.values()), max(run[step][k] for run in by_seed.values()))
-                    for k, _ in CURVES}) for step in steps]}
+            (step, {k: spread(step, k) for k, _ in CURVES}) for step in steps]}
     return series

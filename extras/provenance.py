@@ -163,10 +163,11 @@ def parse_training_command(command):
     words = command.split() if isinstance(command, str) else []
     if len(words) < 2 or words[0] != "python" or words[1] not in METHOD_SCRIPTS:
         sys.exit(f"error: a logged command {str(command)[:60]!r} is not `python METHOD.py FLAGS` "
-                 f"(METHOD.py one of {', '.join(METHOD_SCRIPTS)}): a log line is never imported or run")
+                 f"(METHOD.py one of {', '.join(METHOD_SCRIPTS)}): a log line is never imported "
+                 "or run")
     module = importlib.import_module(words[1][:-3])     # a method file, read by the extras only
     try:
-        with contextlib.redirect_stderr(io.StringIO()):     # argparse's usage: not this line's words
+        with contextlib.redirect_stderr(io.StringIO()):     # argparse's usage: not this line's
             return module, module.get_args_parser().parse_args(words[2:])
     except SystemExit:
         sys.exit(f"error: the logged command {command[:60]!r}... does not parse with {words[1]}")
@@ -325,7 +326,7 @@ def ledger_key(entry):
 
 
 def read_ledger(path):
-    """The ledger's lines ([] when it does not exist yet); one line and exit 1 if it is unreadable."""
+    """The ledger's lines ([] when it does not exist yet); one line and exit 1 if unreadable."""
     if Path(path).is_file() and Path(path).stat().st_size == 0:    # made by `locked`: no use yet
         return []
     if not Path(path).exists():
@@ -349,9 +350,10 @@ def record_test_use(path, use, reason=""):
     with locked(path):
         earlier = test_uses(read_ledger(path), key)
         if earlier and not reason.strip():
-            sys.exit(f"error: the test split was evaluated for {use['row']} seed {use['seed']} at budget "
-                     f"{use['budget']} ({use['evaluation']}) {len(earlier)} time(s) already (last "
-                     f"{earlier[-1].get('started_utc', 'no time')}); give --reason \"...\" to do it again")
+            sys.exit(f"error: the test split was evaluated for {use['row']} seed {use['seed']} at "
+                     f"budget {use['budget']} ({use['evaluation']}) {len(earlier)} time(s) already "
+                     f"(last {earlier[-1].get('started_utc', 'no time')}); give "
+                     "--reason \"...\" to do it again")
         entry = {"kind": "use", **{k: use.get(k) for k in LEDGER_KEY}, "command": use["command"],
                  "reason": reason.strip() or "first use", "use_number": len(earlier) + 1,
                  "id": f"{started['started_utc']}-{os.getpid()}-{len(earlier) + 1}",
@@ -371,7 +373,8 @@ def record_test_result(path, use_id, result):
 
 
 def uses_with_results(entries):
-    """Each `use` line of the ledger with its result (from its `result` line, if one was written)."""
+    """Each `use` line of the ledger with its result (from its `result` line, if one was
+    written)."""
     found = {e["id"]: e["result"] for e in entries if e["kind"] == "result"}
     return [{**e, "result": e.get("result", found.get(e.get("id")))}
             for e in entries if e["kind"] == "use"]
@@ -394,7 +397,8 @@ def ledger_table(entries, drivers, unit):
         if e["driver"] in drivers:
             key = (e["driver"], e["data"], e["row"], e["budget"])
             groups.setdefault(key, []).append(e)
-    lines = [f"| driver | data | row | budget ({unit}) | test uses per seed (evaluation: seed × uses) "
+    lines = [f"| driver | data | row | budget ({unit}) | "
+             "test uses per seed (evaluation: seed × uses) "
              "| withdrawn | reconstructed | uncommitted code: top-level .py, any .py "
              "| commit younger than start | "
              "reasons given |", "|---" * 10 + "|"]
@@ -403,7 +407,8 @@ def ledger_table(entries, drivers, unit):
         for e in es:
             counts = per_seed.setdefault(e["evaluation"], {})
             counts[e["seed"]] = counts.get(e["seed"], 0) + 1
-        uses = "; ".join(f"{evaluation}: " + ", ".join(f"{seed} × {n}" for seed, n in counts.items())
+        uses = "; ".join(f"{evaluation}: "
+                         + ", ".join(f"{seed} × {n}" for seed, n in counts.items())
                          for evaluation, counts in per_seed.items())
         reasons = sorted({e["reason"] for e in es if not e.get("reconstructed")
                           and e["reason"] != "first use"})
@@ -423,6 +428,10 @@ def ledger_table(entries, drivers, unit):
 # ------------------------------------------------------------------------------------------------
 # What a generator reads from a log line, checked before any table is made
 # ------------------------------------------------------------------------------------------------
+def always(record):
+    return True
+
+
 def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -445,8 +454,8 @@ KINDS = {"number": is_number, "text": lambda v: isinstance(v, str),
 
 
 def check_fields(records, path, fields, what="--log"):
-    """Exit with one line unless every record holds, in the kind given, each field a generator reads:
-    `fields` is [(dotted key, kind, whether the record needs it (a function of the record),
+    """Exit with one line unless every record holds, in the kind given, each field a generator
+    reads: `fields` is [(dotted key, kind, whether the record needs it (a function of the record),
     whether it may be absent)] (kinds: KINDS' names, or a set of the allowed values)."""
     for number, record in enumerate(records, 1):
         for key, kind, applies, optional in fields:
@@ -458,7 +467,8 @@ def check_fields(records, path, fields, what="--log"):
             good = value in kind if isinstance(kind, (set, frozenset)) else \
                 value is not MISSING and KINDS[kind](value)
             if not good:
-                wanted = f"one of {sorted(kind)}" if isinstance(kind, (set, frozenset)) else f"a {kind}"
+                several = isinstance(kind, (set, frozenset))
+                wanted = f"one of {sorted(kind)}" if several else f"a {kind}"
                 found = "missing" if value is MISSING else f"{json.dumps(value)[:40]}"
                 sys.exit(f"error: {what} {path} record {number}: {key} is {found}, not {wanted} "
                          f"(the tables read it); nothing is written")

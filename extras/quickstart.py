@@ -40,14 +40,15 @@ EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
 TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
 LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
 # every field of a log line that the tables read: (key, kind, for which lines, optional)
-FIELDS = [("data", "text", lambda r: True, False), ("phase", {"val", "test"}, lambda r: True, False),
-          ("variant", "text", lambda r: True, False), ("knn_top1", "number", lambda r: True, False),
-          ("random_init_knn_top1", "number", lambda r: True, False),
-          ("steps", "integer", lambda r: True, False), ("trained_on", "text", lambda r: True, True),
-          ("train_seconds", "number", lambda r: True, True), ("extra", "text", lambda r: True, True),
-          ("teacher_entropy_last_epoch", "number or null", lambda r: True, True),
-          ("ln_k", "number", lambda r: True, True), ("utc", "text", lambda r: True, True),
-          ("note", "text", lambda r: True, True)]
+ALWAYS = provenance.always
+FIELDS = [("data", "text", ALWAYS, False), ("phase", {"val", "test"}, ALWAYS, False),
+          ("variant", "text", ALWAYS, False), ("knn_top1", "number", ALWAYS, False),
+          ("random_init_knn_top1", "number", ALWAYS, False),
+          ("steps", "integer", ALWAYS, False), ("trained_on", "text", ALWAYS, True),
+          ("train_seconds", "number", ALWAYS, True), ("extra", "text", ALWAYS, True),
+          ("teacher_entropy_last_epoch", "number or null", ALWAYS, True),
+          ("ln_k", "number", ALWAYS, True), ("utc", "text", ALWAYS, True),
+          ("note", "text", ALWAYS, True)]
 
 
 def read_checked(path):
@@ -209,8 +210,8 @@ def get_args_parser():
     p.add_argument("--ledger", default=str(provenance.LEDGER),
                    help="every test-phase run is appended here before it starts")
     p.add_argument("--reason", default="",
-                   help="why a run evaluated on test before is evaluated there again (refused without "
-                        "one); the ledger and the documents show it")
+                   help="why a run evaluated on test before is evaluated there again (refused "
+                        "without one); the ledger and the documents show it")
     return p
 
 

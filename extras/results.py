@@ -137,8 +137,8 @@ def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
         return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _, label in pairs])
 
     (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
-    return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels, k=k,
-                                       T=0.07, num_classes=len(bank.classes))[0]
+    return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels,
+                                       k=k, T=0.07, num_classes=len(bank.classes))[0]
             for k in ks if k <= len(bank_labels)}        # no k past the bank's size
 
 
@@ -185,8 +185,8 @@ def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
     else:
         command = " ".join(["python", script, *flags.split(), *extra.split(), "--seed", str(seed)])
         budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
-    use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed, "budget": budget,
-           "evaluation": "row", "command": command}
+    use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
+           "budget": budget, "evaluation": "row", "command": command}
     return provenance.record_test_use(ledger, use, reason)
 
 
@@ -337,13 +337,15 @@ def network_run(r):
 
 # every field of a log line that the tables and the commands read: (key, kind, for which lines,
 # optional); provenance.check_fields refuses a line without them in one line
-FIELDS = [("run", set(RUNS), lambda r: True, False), ("phase", {"val", "test"}, lambda r: True, False),
-          ("seed", "integer", lambda r: True, False), ("top1", "number", lambda r: True, False),
-          ("variant", "text", lambda r: True, True), ("utc", "text", lambda r: True, True),
+FIELDS = [("run", set(RUNS), provenance.always, False),
+          ("phase", {"val", "test"}, provenance.always, False),
+          ("seed", "integer", provenance.always, False),
+          ("top1", "number", provenance.always, False),
+          ("variant", "text", provenance.always, True), ("utc", "text", provenance.always, True),
           ("train_command", "text", network_run, False),
           ("peak_memory_mb", "number", network_run, False),
           ("random_init_top1", "number", network_run, True),
-          ("train_seconds", "number", lambda r: True, True)]
+          ("train_seconds", "number", provenance.always, True)]
 
 
 def read_checked(path):
@@ -431,8 +433,8 @@ def get_args_parser():
     p.add_argument("--ledger", default=str(provenance.LEDGER),
                    help="every test-phase run is appended here before it starts")
     p.add_argument("--reason", default="",
-                   help="why a run, seed and budget evaluated on test before is evaluated there again "
-                        "(refused without one); the ledger and the documents show it")
+                   help="why a run, seed and budget evaluated on test before is evaluated there "
+                        "again (refused without one); the ledger and the documents show it")
     return p
 
 
@@ -456,8 +458,8 @@ def main():
             if key in logged and (logged[key] or not args.relog):     # a relaunch goes on where it stopped
                 print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
                 continue
-            record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir,
-                                        args.ledger, args.reason)
+            record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
+                                        args.work_dir, args.ledger, args.reason)
             with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if record.get("test_use"):

@@ -407,7 +407,8 @@ def main(args):
         common.die(f"--output {args.output} is a folder; name the PNG file to write (e.g. {args.picture}.png in it)")
     if args.picture == "curves":
         series, title, pixels = curves_inputs(args)
-        return save_curves(curves_picture(series, title, pixels), curves_data(series, title, pixels), args)
+        data = curves_data(series, title, pixels)
+        return save_curves(curves_picture(series, title, pixels), data, args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":

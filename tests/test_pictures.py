@@ -2,6 +2,7 @@
 committed log: the data each picture carries (its PNG's "curves" text) equals a redraw's, and its
 pixels equal a redraw's wherever the same Pillow draws (Pillow's default font, which draws the
 labels, differs between versions)."""
+
 import json
 import re
 import shlex
@@ -28,7 +29,11 @@ def curves_commands():
 
 def test_every_curves_picture_of_the_documents_has_its_command():
     drawn = {Path(args.output).name for args in curves_commands()}
-    shown = set(re.findall(r"\((comparison_curves[\w]*\.png)\)", (ROOT / "docs" / "COMPARISON.md").read_text()))
+    shown = set(
+        re.findall(
+            r"\((comparison_curves[\w]*\.png)\)", (ROOT / "docs" / "COMPARISON.md").read_text()
+        )
+    )
     assert shown and shown <= drawn
 
 
@@ -37,7 +42,9 @@ def test_a_committed_curves_picture_equals_its_redraw(args):
     picture = Image.open(ROOT / args.output)
     series, title, pixels = visualize.curves_inputs(args)
     redraw_data = json.loads(visualize.curves_data(series, title, pixels))
-    assert json.loads(picture.text["curves"]) == redraw_data, f"{args.output}: redraw it (the log moved)"
+    assert json.loads(picture.text["curves"]) == redraw_data, (
+        f"{args.output}: redraw it (the log moved)"
+    )
     if picture.text.get("pillow") == PIL.__version__:
         redraw = visualize.curves_picture(series, title, pixels)
         assert torch.equal(pil_to_tensor(picture.convert("RGB")), redraw), f"{args.output} differs"
@@ -50,5 +57,6 @@ def test_a_picture_drawn_before_its_log_changed_fails(tmp_path):
     row = next(iter(series))
     step, values = series[row]["points"][-1]
     series[row]["points"][-1] = (step, {**values, "knn_top1": (1.0, 1.0, 1.0)})
-    assert json.loads(visualize.curves_data(series, title, pixels)) != \
-        json.loads(Image.open(ROOT / args.output).text["curves"])
+    assert json.loads(visualize.curves_data(series, title, pixels)) != json.loads(
+        Image.open(ROOT / args.output).text["curves"]
+    )

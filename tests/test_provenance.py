@@ -102,7 +102,8 @@ import results  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def ledger_elsewhere(tmp_path, monkeypatch):
-    """A driver run by a test appends its test uses to a ledger of its own, never to the committed one."""
+    """A driver run by a test appends its test uses to a ledger of its own, never to the committed
+    one."""
     monkeypatch.setattr(provenance, "LEDGER", tmp_path / "test_ledger.jsonl")
 
 
@@ -314,8 +315,8 @@ def test_a_signal_to_a_driver_stops_its_command_which_is_not_left_running(tmp_pa
         signal.signal(signal.SIGTERM, previous)
 
 
-ONLY_KEYS = {"compare": {"data": "fashion_mnist", "row": "vit_dino", "variant": "recipe", "phase": "test",
-                         "seed": 0},
+ONLY_KEYS = {"compare": {"data": "fashion_mnist", "row": "vit_dino", "variant": "recipe",
+                         "phase": "test", "seed": 0},
              "results": {"run": "dino", "phase": "test", "seed": 0},
              "quickstart": {"data": "fashion_mnist", "phase": "test", "variant": "quickstart",
                             "knn_top1": 60.0, "random_init_knn_top1": 50.0}}
@@ -323,7 +324,8 @@ ONLY_KEYS = {"compare": {"data": "fashion_mnist", "row": "vit_dino", "variant": 
 
 @pytest.mark.parametrize("argv", [["compare.py", "--table"], ["results.py", "--table"],
                                   ["quickstart.py", "--table"], ["visualize.py", "curves"]])
-def test_a_log_line_without_a_field_the_tables_read_is_refused_in_one_line(tmp_path, monkeypatch, argv):
+def test_a_log_line_without_a_field_the_tables_read_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                           argv):
     """A line that holds only the keys a log must have (no figures) was a KeyError deep inside a
     table; each generator names the line and the field, and writes nothing."""
     import visualize
