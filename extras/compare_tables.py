@@ -369,8 +369,8 @@ def long_budget_table(records, data="fashion_mnist"):
 
 
 def long_glance_table(records, data="fashion_mnist"):
-    """The README's glance at the longer budget: each row trained past 400 steps on both splits (its
-    setting chosen on validation, then run once per seed on test), with its test 20-NN, that minus
+    """The README's glance at the longer budget: each row trained past 400 steps on both splits (how
+    its budget was reached: COMPARISON.md and the test ledger), with its test 20-NN, that minus
     the test split's raw pixels, and the train time of every seed that logged one."""
     pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"], r["row"]) == (data, "test", "pixels")), None)
     method = {row: name for name, rows in SUMMARY_COLUMNS.items() for row in rows.values()}
