@@ -72,6 +72,7 @@ COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
 SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"), ROOT / "docs" / "RESULTS.md": ("summary",)}
 LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
+COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
 STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch 128
 # Shared by every row: crops, heads (K = 1024: the region heads of EsViT and GLSD see every token),
@@ -210,14 +211,32 @@ def finished(record, evaluate, started):
             "cpu_seconds": evaluate.cpu_seconds, "raw_output": evaluate.raw_output, **provenance.stamp(started)}
 
 
+def ledger_use(row, args, seed, evaluation="row"):
+    """On the test phase: the ledger's line of this evaluation, appended before it starts (a second
+    use of the same row, seed and budget is refused without --reason); its id, or None on val."""
+    if args.phase != "test":
+        return None
+    command = " ".join(train_command(row, args, seed)) if row != "pixels" else \
+        f"python extras/compare.py --data {args.data} --phase test --rows pixels"
+    use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
+           "evaluation": evaluation, "command": command}
+    return provenance.record_test_use(args.ledger, use, args.reason)
+
+
 def run_row(row, args, seed):
     """Train (unless a random-init or pixel row) and evaluate one row for one seed: its JSON record."""
     started = provenance.start()
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
               "steps": args.steps}
+    use = ledger_use(row, args, seed)
+    if use:
+        record["test_use"] = use
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
-        return {**record, "knn_top1": pixels_knn(data), **provenance.stamp(started)}
+        by_k = pixels_knn(data)
+        by_k = {str(k): value for k, value in by_k.items()}
+        record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k)
+        return {**record, **provenance.stamp(started)}
     out, weights = row_paths(row, args, seed)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "linear").exists():
@@ -294,7 +313,8 @@ def add_evaluation(row, args, seed, kind):
     """The linear probe (kind "linear_top1") or the learning curve ("curve") of a logged row run
     without it, from its kept checkpoints: written into its log line, with the commands and their cost."""
     key = (args.data, row, args.variant, args.phase, seed)
-    logged = [r for r in compare_tables.current(provenance.read_log(args.log, LOG_KEYS))[0] if log_key(r) == key]
+    logged = [r for r in compare_tables.current(compare_tables.read_checked(args.log))[0]
+              if log_key(r) == key]
     if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
         return None      # not logged (or twice), already evaluated, or a random init (no curve)
     stamped = bool(logged[0].get("utc"))     # the line the tables show: a relogged row's stamped one
@@ -307,6 +327,7 @@ def add_evaluation(row, args, seed, kind):
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
     if kind == "curve":
         check_kept(logged[0], kept_paths(out, args))
+    use = ledger_use(row, args, seed, kind)
     started = provenance.start()
     evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
     value = (evaluate.linear(weights, random_init=row in RANDOM_ROWS) if kind == "linear_top1"
@@ -323,15 +344,19 @@ def add_evaluation(row, args, seed, kind):
                 r[f"{kind.split('_')[0]}_provenance"] = provenance.stamp(started)
                 lines[i] = json.dumps(r)
         provenance.rewrite_log(args.log, lines)
+    if use:
+        provenance.record_test_result(args.ledger, use, value if kind == "linear_top1" else
+                                      [point["knn_top1"] for point in value])
     return value
 
 
 def pixels_knn(data):
-    """20-NN of the l2-normalised raw grey pixels (eval_knn.py's vote), on the splits of the rows."""
+    """{k: k-NN top-1} of the l2-normalised raw grey pixels (eval_knn.py's vote) at DINO's four k
+    (results.KNN_KS), on the splits of the rows."""
     parser = argparse.ArgumentParser()
     common.add_data_args(parser)
     data_args = parser.parse_args(data)
-    return results.pixels_knn_top1(common.build_dataset(data_args, train=True),
+    return results.pixels_knn_by_k(common.build_dataset(data_args, train=True),
                                    common.build_dataset(data_args, train=False))
 
 
@@ -343,7 +368,11 @@ def reproducing_commands(records):
     return compare_tables.reproducing_commands(records, defaults.curve_every, defaults.curve_seeds)
 
 
-def generated_blocks(records):
+def generated_blocks(records, ledger=None):
+    """{block: markdown} of the documents, from the log's records and the test ledger (its path;
+    default: the committed one)."""
+    entries = provenance.read_ledger(ledger or COMMITTED_LEDGER)
+    withdrawn = compare_tables.withdrawn_table(records)
     records, relogged = compare_tables.current(records)
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
@@ -352,7 +381,9 @@ def generated_blocks(records):
                   **{f"differences_{data}": differences_table(records, data) for data in ("fashion_mnist_8k", "shapes")},
                   long_budget=compare_tables.long_budget_table(records), long_glance=compare_tables.long_glance_table(records),
                   long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)),
-                  relogged=compare_tables.relogged_table(relogged))
+                  relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
+                  knn_k=compare_tables.knn_k_table(records),
+                  test_uses=provenance.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
     blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
     return blocks
@@ -388,7 +419,13 @@ def get_args_parser():
                    help="where the built datasets (fashion_mnist_8k) are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "compare_32px.jsonl"),
                    help="one JSON line per (data, row, variant, phase, seed) is appended here")
-    p.add_argument("--table", action="store_true", help="rewrite the generated blocks of docs/COMPARISON.md from --log")
+    p.add_argument("--table", action="store_true",
+                   help="rewrite the generated blocks of docs/COMPARISON.md from --log")
+    p.add_argument("--ledger", default=str(provenance.LEDGER),
+                   help="every test-phase evaluation is appended here before it starts")
+    p.add_argument("--reason", default="",
+                   help="why a row, seed and budget evaluated on test before is evaluated there "
+                        "again (refused without one); the ledger and the documents show it")
     return p
 
 
@@ -400,10 +437,12 @@ def main():
         sys.exit(f"error: --extra cannot set {', '.join(sorted(DRIVER_FLAGS))}: --data, --phase, --steps, "
                  f"--curve_every, --seeds and --work_dir do")
     check_budget(args.steps, args.curve_every)
-    provenance.run_from_root(args, "work_dir", "data_dir", "log")
+    provenance.run_from_root(args, "work_dir", "data_dir", "log", "ledger")
     rows = args.rows if args.rows is not None else [] if args.table else ROWS
     if rows or args.add_linear or args.add_curve:
         provenance.check_log_writable(args.log)
+        if args.phase == "test":       # before any training: else a result without a ledger line
+            provenance.check_log_writable(args.ledger, what="--ledger")
     if args.data == "fashion_mnist_8k" and rows:
         write_fashion_mnist_8k(args.data_dir)
     logged = provenance.read_log(args.log, LOG_KEYS) if rows and Path(args.log).exists() else []
@@ -418,10 +457,14 @@ def main():
                         print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: {kind} {value}", flush=True)
             rows = []
     for row in rows:
-        # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0
-        pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels") for r in logged)
+        # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0,
+        # and once more where no line of it holds the four k (a test use: --reason)
+        pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")
+                            and "knn_top1_by_k" in r for r in logged)
         for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
-            lines = [r for r in logged if log_key(r) == (args.data, row, args.variant, args.phase, seed)]
+            key = (args.data, row, args.variant, args.phase, seed)
+            lines = [r for r in logged
+                     if log_key(r) == key and (row != "pixels" or "knn_top1_by_k" in r)]
             if lines and (any(r.get("utc") for r in lines) or not args.relog):   # --relog: unstamped lines only
                 print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
                 continue
@@ -430,12 +473,14 @@ def main():
                 record["extra"] = args.extra
             with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if record.get("test_use"):
+                provenance.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN {record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")
                   + (f", {record['train_seconds'] / 60:.1f} min training" if "train_seconds" in record else ""),
                   flush=True)
     if args.table:      # every block is made before any file is written
-        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
+        blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
         documents = [(COMPARISON_MD, blocks), *((path, {n: blocks[n] for n in names}) for path, names in SUMMARY_FILES.items())]
         texts = [path.read_text() for path, _ in documents]
         refreshed = [results.refresh(text, chosen, tag=TAG) for text, (_, chosen) in zip(texts, documents)]

@@ -38,6 +38,55 @@ SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"}, "EsViT": {"
 cell = results.cell
 
 
+def trained(r):
+    return r.get("row") in METHOD_FLAGS
+
+
+def evaluated(r):
+    return r.get("row") != "pixels"
+
+
+def always(r):
+    return True
+
+
+# every field of a log line that the tables and the curves read: (key, kind, for which lines,
+# optional); provenance.check_fields refuses a line without them in one line
+FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
+          ("variant", "text", always, False), ("phase", {"val", "test"}, always, False),
+          ("seed", "integer", always, False), ("steps", "integer", always, False),
+          ("knn_top1", "number", always, False), ("utc", "text", always, True),
+          ("withdrawn", "text", always, True),
+          *((f"correspondence.{p}.{k}", "number", evaluated, False)
+            for p, k in (("esvit", "top10_accuracy"), ("esvit", "accuracy"),
+                         ("overlap", "accuracy"))),
+          ("random_init", "true", lambda r: r.get("row") in RANDOM_ROWS, False),
+          ("linear_top1", "number or null", evaluated, True),
+          ("commands", "list", lambda r: trained(r) and "network" not in r, False),
+          ("network", "object", evaluated, True), ("start_of", "text", evaluated, True),
+          ("train_seconds", "number", evaluated, True),
+          ("peak_memory_mb", "number", evaluated, True),
+          ("teacher_entropy", "number", evaluated, True),
+          ("mean_target_entropy", "number", evaluated, True),
+          ("ln_k", "number", lambda r: "teacher_entropy" in r or "mean_target_entropy" in r, False),
+          ("cpu_seconds", "object", evaluated, True), ("curve", "list", trained, True),
+          ("machine", "object", lambda r: "utc" in r, True), ("extra", "text", always, True),
+          ("knn_top1_by_k", "object", always, True)]
+CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", always, False),
+                ("overlap_accuracy", "number", always, False)]
+
+
+def read_checked(path, what="--log"):
+    """The comparison log's records, each holding every field the tables and the curves read (one
+    line and exit 1 if not: a line is data, checked before it is used)."""
+    records = provenance.read_log(path, ("data", "row", "variant", "phase", "seed"), what=what)
+    provenance.check_fields(records, path, FIELDS, what=what)
+    for r in records:
+        where = f"{path} ({r['row']} seed {r['seed']}'s curve)"
+        provenance.check_fields(r.get("curve") or [], where, CURVE_FIELDS, what=what)
+    return records
+
+
 def baseline_row(row):
     """The random-init row of a method row's network: its own, or its backbone's DINO row's."""
     return next((r for r, source in RANDOM_ROWS.items() if source == row), f"{METHOD_FLAGS[row][0]}_random")
@@ -51,7 +100,36 @@ def log_key(record):
 def current(records):
     """(the log's lines the tables show, [(a line without a timestamp, its row run again and stamped)]):
     `compare.py --relog` runs the rows of such lines again with the same command."""
-    return provenance.superseded(records, log_key)
+    kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
+    return provenance.superseded(kept, log_key)
+
+
+def knn_k_table(records):
+    """The lines that logged the k-NN at DINO's four k (`knn_top1_by_k`), one per line."""
+    ks = ("10", "20", "100", "200")
+    lines = ["| row | data | phase | seed | " + " | ".join(f"{k}-NN top-1 (%)" for k in ks)
+             + " | logged (UTC) |", "|---" * (5 + len(ks)) + "|"]
+    for r in records:
+        if isinstance(r.get("knn_top1_by_k"), dict):
+            values = [r["knn_top1_by_k"].get(k) for k in ks]
+            cells = [f"{v:.2f}" if provenance.is_number(v) else "—" for v in values]
+            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['seed']} | "
+                         + " | ".join(cells) + f" | {provenance.when(r)} |")
+    return "\n".join(lines) if len(lines) > 2 else "No line holds the k-NN at four k yet."
+
+
+def withdrawn_table(records):
+    """The lines taken out of the tables (restored to the log with the reason): their figures."""
+    lines = ["| row | data | phase | variant | seed | steps | 20-NN top-1 (%) | linear top-1 (%) | "
+             "logged (UTC) | why withdrawn |", "|---" * 10 + "|"]
+    for r in records:
+        if r.get("withdrawn"):
+            linear = f"{r['linear_top1']:.2f}" if r.get("linear_top1") is not None else "—"
+            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['variant']} | "
+                         f"{r['seed']} | {r['steps']} | {r['knn_top1']:.2f} | {linear} | "
+                         f"{provenance.when(r)} | "
+                         f"{r['withdrawn']} |")
+    return "\n".join(lines) if len(lines) > 2 else "No line of the log is withdrawn."
 
 
 def relogged_table(pairs):
@@ -291,8 +369,8 @@ def long_budget_table(records, data="fashion_mnist"):
 
 
 def long_glance_table(records, data="fashion_mnist"):
-    """The README's glance at the longer budget: each row trained past 400 steps on both splits (its
-    setting chosen on validation, then run once per seed on test), with its test 20-NN, that minus
+    """The README's glance at the longer budget: each row trained past 400 steps on both splits (how
+    its budget was reached: COMPARISON.md and the test ledger), with its test 20-NN, that minus
     the test split's raw pixels, and the train time of every seed that logged one."""
     pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"], r["row"]) == (data, "test", "pixels")), None)
     method = {row: name for name, rows in SUMMARY_COLUMNS.items() for row in rows.values()}
@@ -373,3 +451,40 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
             line += " --skip_linear"
         lines.append(line + results.variant_flags(variant, extra))
     return lines
+
+
+# the learning curves' two metrics (extras/visualize.py draws them): log key, axis label
+CURVES = (("knn_top1", "20-NN top-1 (%)"),
+          ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
+
+
+def curve_series(records, data, phase, variant="recipe"):
+    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of
+    the trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
+    checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
+    the initialisation depends on the network and the seed only), then the kept checkpoints, then
+    the final one; mean and range over those seeds at each step."""
+    def point(step, record):
+        overlap = record["correspondence"]["overlap"]["accuracy"]
+        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": overlap}
+
+    base = baselines(records, data, phase)
+    runs = {}
+    for r in records:
+        if (r["data"], r["phase"], r["variant"]) != (data, phase, variant) or not r.get("curve"):
+            continue
+        start = base.get((baseline_row(r["row"]), r["seed"]))
+        points = ([point(0, start)] if start else []) + [
+            (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
+        runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
+    series = {}
+    for row, by_seed in runs.items():
+        # the steps every drawn seed has
+        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))
+
+        def spread(step, k):
+            values = [run[step][k] for run in by_seed.values()]
+            return statistics.mean(values), min(values), max(values)
+        series[row] = {"seeds": sorted(by_seed), "points": [
+            (step, {k: spread(step, k) for k, _ in CURVES}) for step in steps]}
+    return series

@@ -24,6 +24,7 @@ import fcntl
 import functools
 import hashlib
 import importlib
+import io
 import json
 import os
 import platform
@@ -153,12 +154,23 @@ def checkpoint_signature(path):
     return network_signature(common.load_checkpoint(path))
 
 
+METHOD_SCRIPTS = ("dino.py", "esvit.py", "glsd.py", "selfpatch.py", "drloc.py")
+
+
 def parse_training_command(command):
-    """(method module, parsed args) of a logged `python SCRIPT.py FLAGS` training command."""
-    words = command.split()
-    script = Path(words[1]).stem
-    module = importlib.import_module(script)        # a method file, read by the extras only
-    return module, module.get_args_parser().parse_args(words[2:])
+    """(method module, parsed args) of a logged `python SCRIPT.py FLAGS` training command. A log
+    line is data: only a method file of this repository is imported for it, and only by name."""
+    words = command.split() if isinstance(command, str) else []
+    if len(words) < 2 or words[0] != "python" or words[1] not in METHOD_SCRIPTS:
+        sys.exit(f"error: a logged command {str(command)[:60]!r} is not `python METHOD.py FLAGS` "
+                 f"(METHOD.py one of {', '.join(METHOD_SCRIPTS)}): a log line is never imported "
+                 "or run")
+    module = importlib.import_module(words[1][:-3])     # a method file, read by the extras only
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):     # argparse's usage: not this line's
+            return module, module.get_args_parser().parse_args(words[2:])
+    except SystemExit:
+        sys.exit(f"error: the logged command {command[:60]!r}... does not parse with {words[1]}")
 
 
 def initial_checkpoint(command, seed=None):
@@ -298,4 +310,166 @@ def read_log(path, required=(), what="--log"):
         records.append(record)
     if not records:
         sys.exit(f"error: {what} {path} holds no record: nothing is written")
+    return records
+
+
+# ------------------------------------------------------------------------------------------------
+# The test ledger: every evaluation on a test split, written before it starts
+# ------------------------------------------------------------------------------------------------
+LEDGER = ROOT / "docs" / "data" / "test_ledger.jsonl"
+# what names one test use: the same key twice is a second look at the test split
+LEDGER_KEY = ("driver", "data", "row", "seed", "budget", "evaluation")
+
+
+def ledger_key(entry):
+    return tuple(entry.get(k) for k in LEDGER_KEY)
+
+
+def read_ledger(path):
+    """The ledger's lines ([] when it does not exist yet); one line and exit 1 if unreadable."""
+    if Path(path).is_file() and Path(path).stat().st_size == 0:    # made by `locked`: no use yet
+        return []
+    if not Path(path).exists():
+        return []
+    return read_log(path, required=("kind",), what="--ledger")
+
+
+def test_uses(entries, key):
+    """The ledger's uses of `key` (its `use` lines, reconstructed or not, withdrawn ones included:
+    a withdrawn result was still seen)."""
+    return [e for e in entries if e["kind"] == "use" and ledger_key(e) == key]
+
+
+def record_test_use(path, use, reason=""):
+    """Append `use` ({driver, data, row, seed, budget, evaluation, command}) to the ledger at `path`
+    before the evaluation starts, stamped with its time, commit and machine; its id. A key used
+    before is refused (one line, exit 1) unless `reason` says why the test split is read again."""
+    check_log_writable(path, what="--ledger")
+    key = tuple(use.get(k) for k in LEDGER_KEY)
+    started = start()
+    with locked(path):
+        earlier = test_uses(read_ledger(path), key)
+        if earlier and not reason.strip():
+            sys.exit(f"error: the test split was evaluated for {use['row']} seed {use['seed']} at "
+                     f"budget {use['budget']} ({use['evaluation']}) {len(earlier)} time(s) already "
+                     f"(last {earlier[-1].get('started_utc', 'no time')}); give "
+                     "--reason \"...\" to do it again")
+        entry = {"kind": "use", **{k: use.get(k) for k in LEDGER_KEY}, "command": use["command"],
+                 "reason": reason.strip() or "first use", "use_number": len(earlier) + 1,
+                 "id": f"{started['started_utc']}-{os.getpid()}-{len(earlier) + 1}",
+                 "started_utc": started["started_utc"], "commit": started["commit"],
+                 "uncommitted": started["uncommitted"],
+                 "machine": {"cpu": cpu_model(), "cores": os.cpu_count()}}
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    return entry["id"]
+
+
+def record_test_result(path, use_id, result):
+    """Append the result of the use `use_id` (its own line: the use's line is never rewritten)."""
+    with locked(path), open(path, "a") as f:
+        f.write(json.dumps({"kind": "result", "id": use_id, "result": result, "utc": utc_now()})
+                + "\n")
+
+
+def uses_with_results(entries):
+    """Each `use` line of the ledger with its result (from its `result` line, if one was
+    written)."""
+    found = {e["id"]: e["result"] for e in entries if e["kind"] == "result"}
+    return [{**e, "result": e.get("result", found.get(e.get("id")))}
+            for e in entries if e["kind"] == "use"]
+
+
+def uncommitted_code(entry, top_level=False):
+    """Whether a use ran with a Python file that differed from its commit (top_level: a method file,
+    common.py or an evaluation script, the code that computes the figure)."""
+    return any(f.endswith(".py") and not (top_level and "/" in f)
+               for f in entry.get("uncommitted") or [])
+
+
+def ledger_table(entries, drivers, unit):
+    """The documents' count of test uses, from the ledger: per (driver, data, row, budget), each
+    seed's number of test evaluations, the withdrawn ones, how many lines were reconstructed from
+    the logs' history, which ran on uncommitted code or name a commit younger than their start, and
+    every reason given for a second use."""
+    groups = {}
+    for e in uses_with_results(entries):
+        if e["driver"] in drivers:
+            key = (e["driver"], e["data"], e["row"], e["budget"])
+            groups.setdefault(key, []).append(e)
+    lines = [f"| driver | data | row | budget ({unit}) | "
+             "test uses per seed (evaluation: seed × uses) "
+             "| withdrawn | reconstructed | uncommitted code: top-level .py, any .py "
+             "| commit younger than start | "
+             "reasons given |", "|---" * 10 + "|"]
+    for (driver, data, row, budget), es in groups.items():
+        per_seed = {}
+        for e in es:
+            counts = per_seed.setdefault(e["evaluation"], {})
+            counts[e["seed"]] = counts.get(e["seed"], 0) + 1
+        uses = "; ".join(f"{evaluation}: "
+                         + ", ".join(f"{seed} × {n}" for seed, n in counts.items())
+                         for evaluation, counts in per_seed.items())
+        reasons = sorted({e["reason"] for e in es if not e.get("reconstructed")
+                          and e["reason"] != "first use"})
+
+        def count(test):
+            return str(sum(1 for e in es if test(e)))
+        lines.append(f"| {driver} | {data} | {row} | {budget if budget is not None else '—'} | "
+                     f"{uses} | {count(lambda e: e.get('withdrawn'))} | "
+                     f"{count(lambda e: e.get('reconstructed'))} | "
+                     f"{count(lambda e: uncommitted_code(e, top_level=True))}, "
+                     f"{count(uncommitted_code)} | "
+                     f"{count(lambda e: e.get('commit_younger_than_start'))} | "
+                     f"{'; '.join(reasons) or '—'} |")
+    return "\n".join(lines) if len(lines) > 2 else "No test evaluation is in the ledger yet."
+
+
+# ------------------------------------------------------------------------------------------------
+# What a generator reads from a log line, checked before any table is made
+# ------------------------------------------------------------------------------------------------
+def always(record):
+    return True
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def at(record, path):
+    """record[a][b]... for path "a.b...", or a marker that it is missing."""
+    for part in path.split("."):
+        if not isinstance(record, dict) or part not in record:
+            return MISSING
+        record = record[part]
+    return record
+
+
+MISSING = object()
+KINDS = {"number": is_number, "text": lambda v: isinstance(v, str),
+         "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+         "number or null": lambda v: v is None or is_number(v),
+         "list": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
+         "true": lambda v: v is True}
+
+
+def check_fields(records, path, fields, what="--log"):
+    """Exit with one line unless every record holds, in the kind given, each field a generator
+    reads: `fields` is [(dotted key, kind, whether the record needs it (a function of the record),
+    whether it may be absent)] (kinds: KINDS' names, or a set of the allowed values)."""
+    for number, record in enumerate(records, 1):
+        for key, kind, applies, optional in fields:
+            if not applies(record):
+                continue
+            value = at(record, key)
+            if value is MISSING and optional:
+                continue
+            good = value in kind if isinstance(kind, (set, frozenset)) else \
+                value is not MISSING and KINDS[kind](value)
+            if not good:
+                several = isinstance(kind, (set, frozenset))
+                wanted = f"one of {sorted(kind)}" if several else f"a {kind}"
+                found = "missing" if value is MISSING else f"{json.dumps(value)[:40]}"
+                sys.exit(f"error: {what} {path} record {number}: {key} is {found}, not {wanted} "
+                         f"(the tables read it); nothing is written")
     return records

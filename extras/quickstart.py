@@ -39,6 +39,21 @@ TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_cr
 EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
 TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
 LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
+# every field of a log line that the tables read: (key, kind, for which lines, optional)
+ALWAYS = provenance.always
+FIELDS = [("data", "text", ALWAYS, False), ("phase", {"val", "test"}, ALWAYS, False),
+          ("variant", "text", ALWAYS, False), ("knn_top1", "number", ALWAYS, False),
+          ("random_init_knn_top1", "number", ALWAYS, False),
+          ("steps", "integer", ALWAYS, False), ("trained_on", "text", ALWAYS, True),
+          ("train_seconds", "number", ALWAYS, True), ("extra", "text", ALWAYS, True),
+          ("teacher_entropy_last_epoch", "number or null", ALWAYS, True),
+          ("ln_k", "number", ALWAYS, True), ("utc", "text", ALWAYS, True),
+          ("note", "text", ALWAYS, True)]
+
+
+def read_checked(path):
+    """The log's records, each holding every field the tables read (else one line and exit 1)."""
+    return provenance.check_fields(provenance.read_log(path, LOG_KEYS), path, FIELDS)
 
 
 def knn_line(output):
@@ -65,6 +80,13 @@ def run(args):
     weights = ["--pretrained_weights", str(out / "checkpoint.pth")]
     evaluation = ["eval_knn.py", *weights, *eval_data, *EVAL.split()]
     baseline = ["eval_knn.py", *weights, "--random_init", *eval_data, *EVAL.split()]
+    use = None
+    if args.phase == "test":        # the ledger's line, before the split is read
+        row = f"dino trained on {args.data}"
+        use = provenance.record_test_use(args.ledger, {
+            "driver": "quickstart.py", "data": args.eval_data or args.data, "row": row, "seed": 0,
+            "budget": args.steps, "evaluation": "row", "command": " ".join(["python", *train])},
+            args.reason)
     start = time.time()
     provenance.run([sys.executable, *train], out / "train.txt")
     provenance.check_trained(train, out)
@@ -81,7 +103,8 @@ def run(args):
             "ln_k": math.log(json.loads((out / "args.json").read_text())["out_dim"]),
             "precision": json.loads((out / "args.json").read_text()).get("precision"),
             "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)], "raw_output": raw,
-            **({"resumed": True} if resumed else {}), **provenance.stamp(started)}
+            **({"resumed": True} if resumed else {}), **({"test_use": use} if use else {}),
+            **provenance.stamp(started)}
 
 
 def unstamped(records):
@@ -155,12 +178,13 @@ def result_line(records):
     if r is None:
         return "No run of the quick start is logged yet."
     machine = r.get("machine")         # lines logged before stamps: a description, no time
+    minutes = f"{r['train_seconds'] / 60:.1f} min" if "train_seconds" in r else "a time not logged"
     where = (f"{machine['cpu']}, {machine['cores']} cores, {machine['threads']} thread(s), load average "
              f"{machine['load_average_start'][0]:g} at the start and {machine['load_average_end'][0]:g} at the end, "
              f"{r.get('precision')}, {r['utc']}" if isinstance(machine, dict) else
              f"{machine or 'machine not logged'}; no timestamp")
     return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random initialisation "
-            f"({gain(r)}), {r['train_seconds'] / 60:.1f} min of training ({where}).")
+            f"({gain(r)}), {minutes} of training ({where}).")
 
 
 def generated_blocks(records):
@@ -181,13 +205,19 @@ def get_args_parser():
     p.add_argument("--relog", action="store_true",
                    help="run again, with their own data, phase, steps, variant and flags, the lines of --log that "
                         "have no timestamp (written before stamps existed); the stamped line then replaces them")
-    p.add_argument("--table", action="store_true", help="run nothing: rewrite the generated blocks from --log")
+    p.add_argument("--table", action="store_true",
+                   help="run nothing: rewrite the generated blocks from --log")
+    p.add_argument("--ledger", default=str(provenance.LEDGER),
+                   help="every test-phase run is appended here before it starts")
+    p.add_argument("--reason", default="",
+                   help="why a run evaluated on test before is evaluated there again (refused "
+                        "without one); the ledger and the documents show it")
     return p
 
 
 def main():
     args = get_args_parser().parse_args()
-    provenance.run_from_root(args, "work_dir", "data_dir", "log")
+    provenance.run_from_root(args, "work_dir", "data_dir", "log", "ledger")
     if args.steps <= 0 or args.steps % 50:
         sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
     if driver_flags := results.flags_set_by(args.extra, compare.DRIVER_FLAGS):    # as compare.py: its line names them
@@ -195,9 +225,10 @@ def main():
                  f"its line would name another split, dataset, budget or seed than it trained (use --data, --phase, --steps)")
     if not args.table:
         provenance.check_log_writable(args.log)
+        provenance.check_log_writable(args.ledger, what="--ledger")
     todo = [vars(args)]
     if args.relog:
-        todo = [{**vars(args), **line} for line in unstamped(provenance.read_log(args.log, LOG_KEYS))]
+        todo = [{**vars(args), **line} for line in unstamped(read_checked(args.log))]
         print(f"--relog: {len(todo)} line(s) of {args.log} without a timestamp to run again", flush=True)
     for job in todo if not args.table else []:
         job = argparse.Namespace(**job)
@@ -206,10 +237,12 @@ def main():
         record = run(job)
         with provenance.locked(job.log), open(job.log, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if record.get("test_use"):
+            provenance.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: 20-NN "
               f"{record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%", flush=True)
     if args.table:
-        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
+        blocks = generated_blocks(read_checked(args.log))
         texts = {path: (ROOT / path).read_text() for path in TARGETS}
         for path, names in TARGETS.items():
             refreshed = results.refresh(texts[path], {n: blocks[n] for n in names}, tag="quickstart.py")

@@ -37,8 +37,10 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import provenance  # noqa: E402
+from claims import DRLOC_ARCHS, DRLOC_EPOCHS, drloc_regime, paired_difference  # noqa: E402,F401
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
+COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head sized
 # for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
@@ -56,15 +58,10 @@ SWIN = "--arch swin_pico3 --fit_window true --out_dim 1024 --lr 0.004 --epochs 1
 DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch vit_pico --patch_size 2 --input_size 28 "
          "--batch_size_per_gpu 64 --epochs 5 --warmup_epochs 1 --lr 5e-3 --lambda_warmup_epochs 1 --num_workers 1")
 
-# DRLoc in its paper's regime: supervised training from scratch on a small dataset (the first 5000
-# train images; --phase val: validated on the first 5000 of the held-out 10000), both backbones at
-# 28 px with a 4x4 final grid (swin_pico3: 14 -> 7 -> 4; vit_pico/4: 7x7 pooled to 4x4), lambda = 0.5
-# against 0, DRLOC_EPOCHS epochs (`--variant short`: a third of them)
-DRLOC_EPOCHS = 6
+# DRLoc in its paper's regime (claims.py: DRLOC_EPOCHS, DRLOC_ARCHS)
 DRLOC_SMALL = ("--dataset fashion_mnist --train_subset 5000 --val_subset 5000 --input_size 28 --batch_size_per_gpu 64 "
                f"--lr 5e-3 --epochs {DRLOC_EPOCHS} --warmup_epochs 1 --lambda_warmup_epochs 1 --num_workers 0 "
                "--saveckp_freq 0")
-DRLOC_ARCHS = {"swin": "--arch swin_pico3 --fit_window true", "vit": "--arch vit_pico --patch_size 4"}
 
 SELFPATCH_EPOCHS1 = (f"{SSL} {VIT} --out_dim 1024 --patch_out_dim 1024 "
                      "--teacher_temp 0.01 --warmup_teacher_temp 0.01")
@@ -120,10 +117,18 @@ def parse_collapse(output):
             "ln_k": math.log(int(k.group(1)))}
 
 
+KNN_KS = (10, 20, 100, 200)      # DINO's k of its k-NN evaluation
+
+
 def pixels_knn_top1(bank, queries, resize=32, crop=32):
     """20-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are evaluated on them:
     eval_knn.py's transform (bicubic resize, centre crop, normalisation) flattened and l2-normalised.
     `bank` and `queries` are labelled datasets of PIL images."""
+    return pixels_knn_by_k(bank, queries, (20,), resize, crop)[20]
+
+
+def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
+    """{k: top-1} of pixels_knn_top1's k-NN at each k of `ks`, the features made once."""
     transform = common.eval_transform(resize, crop)
 
     def features(dataset):
@@ -132,8 +137,9 @@ def pixels_knn_top1(bank, queries, resize=32, crop=32):
         return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _, label in pairs])
 
     (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
-    return eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels, k=20, T=0.07,
-                                   num_classes=len(bank.classes))[0]
+    return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels,
+                                       k=k, T=0.07, num_classes=len(bank.classes))[0]
+            for k in ks if k <= len(bank_labels)}        # no k past the bank's size
 
 
 def write_fashion_mnist_8k(data_dir):
@@ -159,11 +165,29 @@ def pixels_top1(phase):
     return pixels_knn_top1(common.build_dataset(data, train=True), common.build_dataset(data, train=False))
 
 
-def train_and_evaluate(name, variant, extra, phase, seed, work_dir):
-    """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine)."""
+def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None, reason=""):
+    """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine). On the test
+    phase its ledger line is appended first (`ledger`: the ledger's path)."""
     started = provenance.start()
+    use = ledger_use(name, extra, phase, seed, work_dir, ledger or provenance.LEDGER, reason)
     record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir)
-    return {**record, **provenance.stamp(started)}
+    return {**record, **({"test_use": use} if use else {}), **provenance.stamp(started)}
+
+
+def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
+    """The ledger's id of a test-phase run, appended before it trains (None on val). Its budget:
+    the epochs its training command ends with (later flags win)."""
+    if phase != "test":
+        return None
+    script, flags = RUNS[name]
+    if script is None:
+        command, budget = "python extras/results.py --runs pixels --phase test", None
+    else:
+        command = " ".join(["python", script, *flags.split(), *extra.split(), "--seed", str(seed)])
+        budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
+    use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
+           "budget": budget, "evaluation": "row", "command": command}
+    return provenance.record_test_use(ledger, use, reason)
 
 
 def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
@@ -243,80 +267,6 @@ def table(records, phase):
     return "\n".join(rows)
 
 
-def paired_difference(records, phase, run="drloc", baseline="drloc_base", variant="recipe", numbers=False):
-    """DRLoc's comparison: top-1 of `run` minus `baseline` seed by seed (a seed fixes the backbone's
-    initialisation and the batch order of both runs), as mean ± standard
-    deviation over the seeds both have, and whether the mean is beyond two standard errors
-    (numbers: the differences instead, in seed order)."""
-    top1 = {}
-    for r in records:
-        if r.get("phase") == phase and r.get("variant", "recipe") == variant and r["run"] in (run, baseline):
-            top1.setdefault(r["run"], {})[r["seed"]] = r["top1"]
-    seeds = sorted(set(top1.get(run, {})) & set(top1.get(baseline, {})))
-    if len(seeds) < 2:
-        return None
-    diffs = [top1[run][s] - top1[baseline][s] for s in seeds]
-    if numbers:
-        return diffs
-    mean, std = statistics.mean(diffs), statistics.stdev(diffs)
-    verdict = "beyond" if abs(mean) > 2 * std / len(seeds) ** 0.5 else "within"
-    return (f"{run} - {baseline}, paired by seed ({len(seeds)} seeds: "
-            f"{', '.join(f'{d:+.2f}' for d in diffs)}): {mean:+.2f} ± {std:.2f} points (mean ± std), "
-            f"{verdict} two standard errors of the mean")
-
-
-def drloc_setting(record):
-    """(data, epochs) of a DRLoc run: its command's last --dataset and --epochs (an --extra's), else the recipe's."""
-    command = record.get("train_command", "")
-    data, epochs = re.findall(r"--dataset (\w+)", command) or ["fashion_mnist"], re.findall(r"--epochs (\d+)", command)
-    default = {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}.get(record.get("variant", "recipe"))
-    return {"synthetic": "shapes"}.get(data[-1], data[-1]), int(epochs[-1]) if epochs else default
-
-
-def drloc_regime(records):
-    """Whether the DRLoc paper's direction holds on the small-dataset runs (a larger gain of λ = 0.5 over λ = 0 for
-    the Swin than for the ViT, and for shorter training), per dataset and length on validation; then the test's."""
-    def paired(phase):             # {(arch, data, epochs): differences by seed}, one variant per setting: the recipe's first
-        settings, found = {}, {}
-        for r in records:
-            arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
-            if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
-                settings[arch, r.get("variant", "recipe")] = drloc_setting(r)
-        order = lambda kv: (kv[1][0], list(DRLOC_ARCHS).index(kv[0][0]), -kv[1][1], kv[0][1] != "recipe")  # noqa: E731
-        for (arch, variant), (data, n) in sorted(settings.items(), key=order):
-            diffs = paired_difference(records, phase, f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True)
-            if diffs and (arch, data, n) not in found:
-                found[arch, data, n] = diffs
-        return found
-    found, tested = paired("val"), paired("test")
-    if not found:
-        logged = sorted({f"`{r['run']}` ({r.get('variant', 'recipe')}, seed {r['seed']})" for r in records
-                         if r["run"].startswith("drloc5k_") and r["phase"] == "val"})
-        return ("No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); logged so far: "
-                f"{', '.join(logged) or 'nothing'}.")
-
-    def say(diffs):
-        spread = (max(diffs) - min(diffs)) / 2
-        return f"{statistics.mean(diffs):+.2f} (seeds {', '.join(f'{d:+.2f}' for d in diffs)}; ± {spread:.2f})"
-
-    def compare(a, b, what):
-        gap = [x - y for x, y in zip(found[a], found[b])]
-        agree = all(g > 0 for g in gap) or all(g < 0 for g in gap)
-        holds = statistics.mean(gap) > 0
-        return (f"- {what}: {'holds' if holds else 'does not hold'} here (gap {say(gap)}; "
-                f"{'the same sign with every seed' if agree else 'the seeds disagree: within seed noise'})")
-    on = lambda data: "" if data == "fashion_mnist" else f", {data}"   # noqa: E731
-    lines = ["DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first 5000 train images:"]
-    lines += [f"- `{arch}`, {n} epochs{on(data)}: {say(diffs)}" for (arch, data, n), diffs in found.items()]
-    lines += [compare(("swin", d, n), ("vit", d, n), f"a larger gain for the Swin than for the ViT ({n} epochs{on(d)})")
-              for d, n in dict.fromkeys((d, n) for _, d, n in found) if {("swin", d, n), ("vit", d, n)} <= found.keys()]
-    for arch, data in dict.fromkeys((a, d) for a, d, _ in found):   # each length against the next longer one
-        mine = sorted(n for a, d, n in found if (a, d) == (arch, data))
-        lines += [compare((arch, data, a), (arch, data, b), f"a larger gain for shorter training (`{arch}`, {a} "
-                          f"against {b} epochs{on(data)})") for a, b in zip(mine, mine[1:])]
-    lines += [f"- the test split, once (its first 5000 images), `{arch}`, {n} epochs{on(data)}: {say(diffs)}"
-              for (arch, data, n), diffs in tested.items()]
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -381,6 +331,28 @@ def variant_flags(variant, extra):
 LOG_KEYS = ("run", "phase", "seed")      # every line of the log has them
 
 
+def network_run(r):
+    return RUNS.get(r.get("run"), (None,))[0] is not None
+
+
+# every field of a log line that the tables and the commands read: (key, kind, for which lines,
+# optional); provenance.check_fields refuses a line without them in one line
+FIELDS = [("run", set(RUNS), provenance.always, False),
+          ("phase", {"val", "test"}, provenance.always, False),
+          ("seed", "integer", provenance.always, False),
+          ("top1", "number", provenance.always, False),
+          ("variant", "text", provenance.always, True), ("utc", "text", provenance.always, True),
+          ("train_command", "text", network_run, False),
+          ("peak_memory_mb", "number", network_run, False),
+          ("random_init_top1", "number", network_run, True),
+          ("train_seconds", "number", provenance.always, True)]
+
+
+def read_checked(path):
+    """The log's records, each holding every field the tables read (else one line and exit 1)."""
+    return provenance.check_fields(provenance.read_log(path, LOG_KEYS), path, FIELDS)
+
+
 def log_key(record):
     return record["run"], record.get("variant", "recipe"), record["phase"], record["seed"]
 
@@ -409,9 +381,12 @@ def unstamped_note(records):
             f"tables above then show them:\n\n```bash\n{commands}\n```")
 
 
-def generated_blocks(records):
+def generated_blocks(records, ledger=None):
     """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes the
-    unstamped ones of its run, and the others are only listed (unstamped_note)."""
+    unstamped ones of its run, and the others are only listed (unstamped_note); the test uses from
+    the ledger (its path; default: the committed one)."""
+    uses = provenance.ledger_table(provenance.read_ledger(ledger or COMMITTED_LEDGER),
+                                   {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
     blocks = {"relogged": relogged_table(relogged), "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
     records = [r for r in records if r.get("utc")]
@@ -423,6 +398,7 @@ def generated_blocks(records):
         blocks[phase] = text
     blocks["commands"] = "```bash\n" + "\n".join(reproducing_commands(records)) + "\n```"
     blocks["drloc_regime"] = drloc_regime(records)
+    blocks["test_uses"] = uses
     return blocks
 
 
@@ -454,18 +430,25 @@ def get_args_parser():
                    help="one JSON line per (run, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from --log")
+    p.add_argument("--ledger", default=str(provenance.LEDGER),
+                   help="every test-phase run is appended here before it starts")
+    p.add_argument("--reason", default="",
+                   help="why a run, seed and budget evaluated on test before is evaluated there "
+                        "again (refused without one); the ledger and the documents show it")
     return p
 
 
 def main():
     args = get_args_parser().parse_args()
-    provenance.run_from_root(args, "work_dir", "log")
+    provenance.run_from_root(args, "work_dir", "log", "ledger")
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
     if flags_set_by(args.extra, RUN_PLACE_FLAGS):        # e.g. a test line trained with --holdout
         sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, --seeds and --work_dir do")
     if args.runs:
         provenance.check_log_writable(args.log)
+        if args.phase == "test":
+            provenance.check_log_writable(args.ledger, what="--ledger")
     logged = {}                 # key: whether one of its lines is stamped
     for r in provenance.read_log(args.log, LOG_KEYS) if args.runs and Path(args.log).is_file() else []:
         logged[log_key(r)] = logged.get(log_key(r), False) or bool(r.get("utc"))
@@ -475,14 +458,17 @@ def main():
             if key in logged and (logged[key] or not args.relog):     # a relaunch goes on where it stopped
                 print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
                 continue
-            record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed, args.work_dir)
+            record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
+                                        args.work_dir, args.ledger, args.reason)
             with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if record.get("test_use"):
+                provenance.record_test_result(args.ledger, record["test_use"], record["top1"])
             baseline = f" (random init {record['random_init_top1']:.2f}%)" if "random_init_top1" in record else ""
             took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"
             print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
-        blocks = generated_blocks(provenance.read_log(args.log, LOG_KEYS))
+        blocks = generated_blocks(read_checked(args.log), args.ledger)
         markdown = RESULTS_MD.read_text()
         refreshed = refresh(markdown, blocks)
         RESULTS_MD.write_text(refreshed)

@@ -30,14 +30,15 @@ The 60% threshold: per head, sort the patches by attention, keep the largest one
 reaches 60% of the total (the patch that crosses the line is kept), as DINO's visualisation does.
 """
 import argparse
-import statistics
+import json
 import sys
 import textwrap
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, __version__ as PILLOW
+from PIL.PngImagePlugin import PngInfo
 from torchvision.io import write_png
 from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 from torchvision.utils import draw_segmentation_masks, make_grid
@@ -47,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import compare_tables  # noqa: E402
 import eval_knn  # noqa: E402
-import provenance  # noqa: E402
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
@@ -225,8 +225,8 @@ def matchings_picture(teacher, student, crops, geometry, student_crop=1, size=22
 # ================================================================================================
 # Learning curves of the comparison (extras/compare.py's JSON lines)
 # ================================================================================================
-CURVES = (("knn_top1", "20-NN top-1 (%)"),
-          ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
+CURVES = compare_tables.CURVES
+curve_series = compare_tables.curve_series
 
 
 # one colour, dash pattern (None: solid) and marker per row, the same in every picture; a row
@@ -240,37 +240,6 @@ ROW_STYLES = {"vit_dino": ((230, 25, 75), None, "circle"),
               "swin_esvit": ((145, 30, 180), None, "square"),
               "swin_glsd_geometric": ((0, 128, 128), None, "diamond"),
               "swin_glsd_similarity": ((240, 170, 0), (7, 5), "triangle")}
-
-
-def curve_series(records, data, phase, variant="recipe"):
-    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of
-    the trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
-    checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
-    the initialisation depends on the network and the seed only), then the kept checkpoints, then
-    the final one; mean and range over those seeds at each step."""
-    def point(step, record):
-        return step, {"knn_top1": record["knn_top1"],
-                      "overlap_accuracy": record["correspondence"]["overlap"]["accuracy"]}
-
-    base = compare_tables.baselines(records, data, phase)
-    runs = {}
-    for r in records:
-        if (r["data"], r["phase"], r["variant"]) != (data, phase, variant) or not r.get("curve"):
-            continue
-        start = base.get((compare_tables.baseline_row(r["row"]), r["seed"]))
-        points = ([point(0, start)] if start else []) + [
-            (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
-        runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
-    series = {}
-    for row, by_seed in runs.items():
-        # the steps every drawn seed has
-        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))
-        series[row] = {"seeds": sorted(by_seed), "points": [
-            (step, {k: (statistics.mean(run[step][k] for run in by_seed.values()),
-                        min(run[step][k] for run in by_seed.values()),
-                        max(run[step][k] for run in by_seed.values()))
-                    for k, _ in CURVES}) for step in steps]}
-    return series
 
 
 def curves_title(series, data, phase, variant):
@@ -386,8 +355,7 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
 def read_json_lines(path):
     """extras/compare.py's log as its tables show it (compare_tables.current); one line and exit 1
     for any other file."""
-    records = provenance.read_log(path, ("data", "row", "variant", "phase", "seed"))
-    return compare_tables.current(records)[0]
+    return compare_tables.current(compare_tables.read_checked(path))[0]
 
 
 # ================================================================================================
@@ -491,17 +459,9 @@ def main(args):
         common.die(f"--output {args.output} is a folder; name the PNG file to write (e.g. "
                    f"{args.picture}.png in it)")
     if args.picture == "curves":
-        records = read_json_lines(args.log)
-        series = curve_series(records, args.data, args.phase, args.variant)
-        if not series:
-            common.die(f"{args.log} has no learning curve of --data {args.data} --phase "
-                       f"{args.phase} --variant {args.variant} (extras/compare.py logs one for "
-                       "each seed in --curve_seeds)")
-        pixels = next((r["knn_top1"] for r in records
-                       if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")),
-                      None)
-        title = curves_title(series, args.data, args.phase, args.variant)
-        return save(curves_picture(series, title, pixels), args)
+        series, title, pixels = curves_inputs(args)
+        data = curves_data(series, title, pixels)
+        return save_curves(curves_picture(series, title, pixels), data, args)
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
     if args.picture == "crops":
@@ -556,6 +516,38 @@ def multicrop(args, network=None):
     return common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale,
                                         args.local_crops_number, args.global_crop_size,
                                         args.local_crop_size)
+
+
+def curves_inputs(args):
+    """(series, title, raw-pixel level) of the curves picture that `args` (the curves command's)
+    draws from its --log."""
+    records = read_json_lines(args.log)
+    series = curve_series(records, args.data, args.phase, args.variant)
+    if not series:
+        common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
+                   f"--variant {args.variant} (extras/compare.py logs one for each seed in "
+                   f"--curve_seeds)")
+    pixels = next((r["knn_top1"] for r in records
+                   if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")), None)
+    return series, curves_title(series, args.data, args.phase, args.variant), pixels
+
+
+def curves_data(series, title, pixels):
+    """What a curves picture is drawn from, as the JSON text it carries (its PNG's "curves" chunk):
+    a test compares it with a redraw's, which no font or library version can change."""
+    return json.dumps({"title": title, "series": series, "pixels": pixels}, sort_keys=True)
+
+
+def save_curves(picture, data, args):
+    """The curves picture, with the data it is drawn from and the Pillow that drew its text (a
+    pixel comparison with a redraw holds only under the same Pillow) in its PNG text chunks."""
+    info = PngInfo()
+    info.add_text("curves", data)
+    info.add_text("pillow", PILLOW)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    to_pil_image(picture).save(args.output, pnginfo=info)
+    common.log(f"{args.picture} picture written to {args.output}")
+    return picture
 
 
 def save(picture, args):

@@ -99,6 +99,14 @@ import provenance  # noqa: E402
 import quickstart  # noqa: E402
 import results  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def ledger_elsewhere(tmp_path, monkeypatch):
+    """A driver run by a test appends its test uses to a ledger of its own, never to the committed
+    one."""
+    monkeypatch.setattr(provenance, "LEDGER", tmp_path / "test_ledger.jsonl")
+
+
 LOGS = {"compare": ROOT / "docs" / "data" / "compare_32px.jsonl", "results": ROOT / "docs" / "data" / "results_32px.jsonl",
         "quickstart": ROOT / "docs" / "data" / "quickstart.jsonl"}
 IDENTITY = {"seed", "steps", "step", "epoch", "network", "args"}    # what names a line, or is compared, not published
@@ -182,6 +190,8 @@ def test_no_generated_block_holds_a_line_logged_without_its_row():
     records = provenance.read_log(LOGS["compare"])
     logged = {r["row"] for r in records}
     for name, text in compare.generated_blocks(records).items():
+        if name == "test_uses":             # the ledger's rows (tests/test_ledger.py)
+            continue
         for line in text.splitlines()[2:] if text.startswith("|") else []:
             row = line.split("|")[1].strip().strip("`")
             assert row in logged | {"raw pixels", "vit_pico", "swin_pico3"}, (name, row)
@@ -303,3 +313,54 @@ def test_a_signal_to_a_driver_stops_its_command_which_is_not_left_running(tmp_pa
         assert not caught and signal.getsignal(signal.SIGTERM) is tests_handler          # put back
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+ONLY_KEYS = {"compare": {"data": "fashion_mnist", "row": "vit_dino", "variant": "recipe",
+                         "phase": "test", "seed": 0},
+             "results": {"run": "dino", "phase": "test", "seed": 0},
+             "quickstart": {"data": "fashion_mnist", "phase": "test", "variant": "quickstart",
+                            "knn_top1": 60.0, "random_init_knn_top1": 50.0}}
+
+
+@pytest.mark.parametrize("argv", [["compare.py", "--table"], ["results.py", "--table"],
+                                  ["quickstart.py", "--table"], ["visualize.py", "curves"]])
+def test_a_log_line_without_a_field_the_tables_read_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                           argv):
+    """A line that holds only the keys a log must have (no figures) was a KeyError deep inside a
+    table; each generator names the line and the field, and writes nothing."""
+    import visualize
+    name = {"visualize.py": "compare"}.get(argv[0], argv[0][:-3])
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps(ONLY_KEYS[name]) + "\n")
+    monkeypatch.setattr(provenance.os, "chdir", lambda path: None)
+    before = {path: (ROOT / path).read_bytes() for path in DOCS}
+    with pytest.raises(SystemExit) as stop:
+        if argv[0] == "visualize.py":
+            visualize.main(visualize.get_args_parser().parse_args(
+                [*argv[1:], "--log", str(log), "--output", str(tmp_path / "c.png")]))
+        else:
+            monkeypatch.setattr(sys, "argv", [*argv, "--log", str(log)])
+            {"compare": compare, "results": results, "quickstart": quickstart}[name].main()
+    message = str(stop.value)
+    assert message.startswith(f"error: --log {log} record 1: ") and "\n" not in message, message
+    assert {path: (ROOT / path).read_bytes() for path in DOCS} == before
+
+
+def test_a_log_lines_command_is_never_imported(tmp_path, monkeypatch):
+    """compare.py rebuilt the network of a line without a signature by importing the module its
+    command named (`python this.py` printed the Zen of Python): only a method file is imported."""
+    (tmp_path / "planted.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    records = [r for r in provenance.read_log(LOGS["compare"])
+               if (r["data"], r["phase"], r["variant"]) == ("fashion_mnist", "test", "recipe")]
+    for command in ("python planted.py --arch vit_pico", "python this.py", "rm -rf /", "python"):
+        planted = [{**r, "commands": [command]} if r["row"] == "vit_dino" else r for r in records]
+        for r in planted:
+            r.pop("network", None)
+        with pytest.raises(SystemExit) as stop:
+            compare_tables.summary_table(planted)
+        assert str(stop.value).startswith("error: a logged command"), stop.value
+    assert not (tmp_path / "ran").exists() and "this" not in sys.modules
+    with pytest.raises(SystemExit) as stop:                 # a method file, with a flag it lacks
+        provenance.parse_training_command("python dino.py --no_such_flag 3")
+    assert str(stop.value).startswith("error: the logged command")

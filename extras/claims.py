@@ -1,0 +1,194 @@
+"""What the documents may claim from two seeds, and DRLoc's paired comparisons (used by
+extras/results.py; not a script).
+
+The rule, stated once (docs/RESULTS.md and docs/COMPARISON.md, "What counts as a finding"): with two
+seeds, a difference is a finding only where its mean exceeds both the seeds' spread (half their
+range) and the binomial standard error of one evaluation (`finding`); "the same sign on both seeds"
+happens half the time by chance and is not evidence on its own.
+"""
+
+import math
+import re
+import statistics
+
+# DRLoc in its paper's regime: supervised training from scratch on a small dataset (the first
+# 5000 train images; --phase val: validated on the first 5000 of the held-out 10000), both
+# backbones at 28 px with a 4x4 final grid (swin_pico3: 14 -> 7 -> 4; vit_pico/4: 7x7 pooled to
+# 4x4), lambda = 0.5 against 0, DRLOC_EPOCHS epochs (`--variant short`: a third of them)
+DRLOC_EPOCHS = 6
+DRLOC_ARCHS = {
+    "swin": "--arch swin_pico3 --fit_window true",
+    "vit": "--arch vit_pico --patch_size 4",
+}
+
+
+def paired_difference(
+    records, phase, run="drloc", baseline="drloc_base", variant="recipe", numbers=False
+):
+    """DRLoc's comparison: top-1 of `run` minus `baseline` seed by seed (a seed fixes the backbone's
+    initialisation and the batch order of both runs), as mean ± standard
+    deviation over the seeds both have, and whether the mean is beyond two standard errors
+    (numbers: the differences instead, in seed order)."""
+    top1 = {}
+    for r in records:
+        if (
+            r.get("phase") == phase
+            and r.get("variant", "recipe") == variant
+            and r["run"] in (run, baseline)
+        ):
+            top1.setdefault(r["run"], {})[r["seed"]] = r["top1"]
+    seeds = sorted(set(top1.get(run, {})) & set(top1.get(baseline, {})))
+    if len(seeds) < 2:
+        return None
+    diffs = [top1[run][s] - top1[baseline][s] for s in seeds]
+    if numbers:
+        return diffs
+    mean, std = statistics.mean(diffs), statistics.stdev(diffs)
+    verdict = "beyond" if abs(mean) > 2 * std / len(seeds) ** 0.5 else "within"
+    return (
+        f"{run} - {baseline}, paired by seed ({len(seeds)} seeds: "
+        f"{', '.join(f'{d:+.2f}' for d in diffs)}): {mean:+.2f} ± {std:.2f} points (mean ± std), "
+        f"{verdict} two standard errors of the mean"
+    )
+
+
+def drloc_setting(record):
+    """(data, epochs) of a DRLoc run: its command's last --dataset and --epochs (an --extra's),
+    else the recipe's."""
+    command = record.get("train_command", "")
+    data, epochs = (
+        re.findall(r"--dataset (\w+)", command) or ["fashion_mnist"],
+        re.findall(r"--epochs (\d+)", command),
+    )
+    default = {"recipe": DRLOC_EPOCHS, "short": DRLOC_EPOCHS // 3}.get(
+        record.get("variant", "recipe")
+    )
+    return {"synthetic": "shapes"}.get(data[-1], data[-1]), int(epochs[-1]) if epochs else default
+
+
+DRLOC_EVAL_IMAGES = 5000  # DRLoc's small-data runs are evaluated on 5000 images (either split)
+
+
+def binomial_error(top1s, images):
+    """The binomial standard error, in points, of one evaluation of `images` images at the largest
+    error of the accuracies `top1s` (%) (the noise of one run's figure, before any seed)."""
+    worst = min(max(max(top1s, key=lambda t: t * (100 - t)) / 100, 0.0), 1.0)
+    return 100 * math.sqrt(worst * (1 - worst) / images)
+
+
+def finding(diffs, error):
+    """The documents' one rule for two seeds: a difference is a "finding" only if its mean exceeds
+    both the seeds' spread (half their range) and one evaluation's binomial error; else "noise"."""
+    mean, spread = statistics.mean(diffs), (max(diffs) - min(diffs)) / 2
+    return "finding" if abs(mean) > spread and abs(mean) > error else "noise"
+
+
+def top1_of(records, phase, settings):
+    """The top-1s of the drloc5k runs of (arch, data, epochs) `settings` (flattened triples)."""
+    wanted = {tuple(settings[i : i + 3]) for i in range(0, len(settings), 3)}
+    values = [
+        r["top1"]
+        for r in records
+        if r["run"].startswith("drloc5k_")
+        and r["phase"] == phase
+        and (r["run"].removeprefix("drloc5k_").removesuffix("_base"), *drloc_setting(r)) in wanted
+    ]
+    return values or [50.0]
+
+
+def drloc_regime(records):
+    """Whether the DRLoc paper's direction holds on the small-dataset runs (a larger gain of
+    λ = 0.5 over λ = 0 for the Swin than for the ViT, and for shorter training), per dataset and
+    length on validation, by `finding`'s rule; then the test's."""
+
+    def paired(
+        phase,
+    ):  # {(arch, data, epochs): differences by seed}, one variant per setting: the recipe's first
+        settings, found = {}, {}
+        for r in records:
+            arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
+            if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
+                settings[arch, r.get("variant", "recipe")] = drloc_setting(r)
+        order = lambda kv: (
+            kv[1][0],
+            list(DRLOC_ARCHS).index(kv[0][0]),
+            -kv[1][1],
+            kv[0][1] != "recipe",
+        )  # noqa: E731
+        for (arch, variant), (data, n) in sorted(settings.items(), key=order):
+            diffs = paired_difference(
+                records, phase, f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True
+            )
+            if diffs and (arch, data, n) not in found:
+                found[arch, data, n] = diffs
+        return found
+
+    found, tested = paired("val"), paired("test")
+    if not found:
+        logged = sorted(
+            {
+                f"`{r['run']}` ({r.get('variant', 'recipe')}, seed {r['seed']})"
+                for r in records
+                if r["run"].startswith("drloc5k_") and r["phase"] == "val"
+            }
+        )
+        return (
+            "No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); "
+            f"logged so far: {', '.join(logged) or 'nothing'}."
+        )
+
+    def say(diffs):
+        spread = (max(diffs) - min(diffs)) / 2
+        seeds = ", ".join(f"{d:+.2f}" for d in diffs)
+        return f"{statistics.mean(diffs):+.2f} (seeds {seeds}; ± {spread:.2f})"
+
+    def compare(a, b, what):
+        gap = [x - y for x, y in zip(found[a], found[b])]
+        error = binomial_error(top1_of(records, "val", a + b), DRLOC_EVAL_IMAGES)
+        verdict = finding(gap, error)
+        mean = statistics.mean(gap)
+        if verdict == "finding":
+            said = "holds here, a finding" if mean > 0 else "the opposite holds here, a finding"
+        else:
+            said = "within noise: not decided here"
+        return f"- {what}: {said} (gap {say(gap)}; one evaluation's binomial error {error:.2f})"
+
+    on = lambda data: "" if data == "fashion_mnist" else f", {data}"  # noqa: E731
+    lines = [
+        "DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, "
+        "first 5000 train images:"
+    ]
+    lines += [
+        f"- `{arch}`, {n} epochs{on(data)}: {say(diffs)}"
+        for (arch, data, n), diffs in found.items()
+    ]
+    lines += [
+        compare(
+            ("swin", d, n),
+            ("vit", d, n),
+            f"a larger gain for the Swin than for the ViT ({n} epochs{on(d)})",
+        )
+        for d, n in dict.fromkeys((d, n) for _, d, n in found)
+        if {("swin", d, n), ("vit", d, n)} <= found.keys()
+    ]
+    for arch, data in dict.fromkeys(
+        (a, d) for a, d, _ in found
+    ):  # each length against the next longer one
+        mine = sorted(n for a, d, n in found if (a, d) == (arch, data))
+        lines += [
+            compare(
+                (arch, data, a),
+                (arch, data, b),
+                f"a larger gain for shorter training (`{arch}`, {a} against {b} epochs{on(data)})",
+            )
+            for a, b in zip(mine, mine[1:])
+        ]
+    lines += [
+        f"- the test split (its first 5000 images), `{arch}`, {n} epochs{on(data)}: {say(diffs)}"
+        for (arch, data, n), diffs in tested.items()
+    ]
+    lines.append(
+        f"- rule: a gap is a finding only if its mean exceeds both the seeds' spread (±) and "
+        f"one evaluation's binomial error on {DRLOC_EVAL_IMAGES} images"
+    )
+    return "\n".join(lines)
