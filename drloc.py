@@ -29,11 +29,11 @@ a = (i, j) and b = (p, h) of an image, with embeddings e_a, e_b and Delta = a - 
 Where the paper's text and the authors' code differ, this file follows the code:
   * targets are integer grid offsets, not divided by k (Eq. 1, 3), and the L1 is a mean over both
     coordinates, not their sum: the loss scale differs from Eq. 2 by k/2, and lambda = 0.5 (Swin;
-    0.1 for T2T/CvT) is tuned for the code's scale. `--drloc_normalize` gives normalised targets
-    as the code's (unused) path computes them: abs / (k-1) and (Delta + k-1) / (2(k-1)), both in
+    0.1 for T2T/CvT) is tuned for the code's scale. `--drloc_normalize` gives normalised targets as
+    the code's (unused) path computes them: abs / (k-1) and (Delta + k-1) / (2(k-1)), both in
     [0, 1] (Eq. 1's / k would stop short of 1);
-  * the signed targets are shifted by k-1, and ce / reg classify over 0 .. k-1 (abs) or
-    0 .. 2k-2 (signed) offsets: k or 2k-1 classes, not the paper's 2k+1 over {-k .. k};
+  * the signed targets are shifted by k-1, and ce / reg classify over 0 .. k-1 (abs) or 0 .. 2k-2
+    (signed) offsets: k or 2k-1 classes, not the paper's 2k+1 over {-k .. k};
   * reg (the code's "cbr") regularises with 0.001 log sigma^2 (Eq. 6: alpha log sigma);
   * lambda is warmed up linearly from 0 over 20 epochs, then decays linearly towards 0 at the end
     of training (the paper: constant). Here the schedule spans the epochs actually run (the
@@ -42,8 +42,8 @@ Where the paper's text and the authors' code differ, this file follows the code:
     stage's output *after* its patch merging (the official layout merges at the end of a stage),
     plus the last stage: at 224 px, Swin-T grids of 28, 14, 7 and 7;
   * ViT grids are average-pooled with AvgPool2d(3, stride 2, padding 1, count_include_pad=False)
-    (the paper: "2 x 2 average pooling"; the T2T code pools its post-norm grid, here every
-    backbone uses the pre-norm grid);
+    (the paper: "2 x 2 average pooling"; the T2T code pools its post-norm grid, here every backbone
+    uses the pre-norm grid);
   * the supervised recipe is Swin's: AdamW, lr 5e-4 x batch / 512, weight decay 0.05 (not on
     biases, norms and position tables), global-norm gradient clipping 5.0, RandAugment, random
     erasing 0.25, Mixup 0.8 / CutMix 1.0 with label smoothing 0.1, LayerNorm eps 1e-5.
@@ -55,16 +55,15 @@ Where this file departs from the authors' code:
   * the authors train in fp32 (apex `--amp-opt-level O0`, their default); here the precision is
     `--precision`'s choice (`--precision fp32` is theirs).
 Other choices of this file: the pairs are gathered with one tensor index, not a loop over images;
-the exhaustive partners come from an argsort of uniform noise (a random permutation per image);
-the pairs of a training step come from a generator seeded by (seed, epoch, step), not from each
-process's global RNG: they are drawn for the images of all processes and each process keeps the
-rows of its own, so an image gets the same pairs with 1 or n processes and after a resume (the
-draw itself is the authors' pair of randint calls);
-the lr warms up from 5e-7 x batch / 512 and then follows `common.cosine_scheduler` over the
-remaining iterations (the Swin code's timm scheduler runs its cosine over all iterations, warmup
-included, and their loop updates the lr after each step, so their step s uses the schedule's value
-at s - 1: the warm-up start twice; tests/test_trajectories.py shows both facts);
-`--lambda_drloc 0` builds no DRLoc head at all: the plain supervised baseline.
+the exhaustive partners come from an argsort of uniform noise (a random permutation per image); the
+pairs of a step come from a generator seeded by (seed, epoch, step), drawn for the images of all
+processes, each keeping its rows: an image gets the same pairs with 1 or n processes and after a
+resume (the draw is the authors' pair of randint calls); the lr warms up from 5e-7 x batch / 512
+and then follows `common.cosine_scheduler` over the remaining iterations (the Swin code's timm
+scheduler runs its cosine over all iterations, warmup included, and their loop updates the lr after
+each step, so their step s uses the schedule's value at s - 1: the warm-up start twice;
+tests/test_trajectories.py shows both facts); `--lambda_drloc 0` builds no DRLoc head at all: the
+plain supervised baseline.
 """
 import argparse
 import math
@@ -110,8 +109,7 @@ def get_args_parser():
                    help="abs |Delta| (the published recipe) or signed Delta + k - 1 (the paper's "
                         "L*, worse)")
     g.add_argument("--drloc_pairs", default=64, type=common.POSITIVE_INT,
-                   help="m, pairs sampled per image (the paper: 64 beats 32, 128 and 256 on "
-                        "CIFAR-100)")
+                   help="m, pairs per image (the paper: 64 beats 32, 128 and 256 on CIFAR-100)")
     g.add_argument("--drloc_normalize", default=False, type=common.bool_flag,
                    help="normalised targets in [0, 1] (l1 modes only) instead of the code's "
                         "integer offsets: divided by k-1 (abs) or 2(k-1) (signed), and so is the "
@@ -127,8 +125,7 @@ def get_args_parser():
                         "defaults apply")
     g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", type=str,
                    help="timm RandAugment policy ('' = none)")
-    g.add_argument("--reprob", default=0.25, type=common.FRACTION,
-                   help="random erasing probability")
+    g.add_argument("--reprob", default=0.25, type=common.FRACTION, help="random erasing rate")
     g.add_argument("--mixup", default=0.8, type=common.NONNEGATIVE,
                    help="mixup alpha (0 with --cutmix 0 = no mixing)")
     g.add_argument("--cutmix", default=1.0, type=common.NONNEGATIVE, help="cutmix alpha")
@@ -181,8 +178,8 @@ def exhaustive_pairs(batch, k, generator=None):
 
 
 def pair_generator(seed, epoch, step):
-    """The CPU generator of one training step's pairs: a function of (seed, epoch, step) only.
-    The trailing 1 keeps its seed apart from the per-sample seeds of the augmentation."""
+    """The CPU generator of a step's pairs, of (seed, epoch, step) only (the trailing 1 keeps it
+    apart from the augmentation's per-sample seeds)."""
     return torch.Generator().manual_seed(common.sample_seed(seed, epoch, step, 1))
 
 
@@ -197,9 +194,8 @@ def relative_targets(pos_a, pos_b, k, signed=False, normalize=False):
 
 
 class DRLocLoss(nn.Module):
-    """L = L_ce + lambda * sum over DRLoc heads of L_drloc (see the module docstring for each mode).
-
-    Hard labels give a (label-smoothed) cross-entropy, mixup's soft labels a soft-target one."""
+    """L = L_ce + lambda * sum over DRLoc heads of L_drloc (each mode: the module docstring); hard
+    labels give a (label-smoothed) cross-entropy, mixup's soft labels a soft-target one."""
 
     def __init__(self, mode="l1", signed=False, normalize=False, smoothing=0.1):
         super().__init__()
@@ -258,8 +254,7 @@ class LocalizationMLP(nn.Module):
 
 
 def swin_init(module):
-    """Swin's init of every Linear (the authors' model applies it to its DRLoc MLPs too):
-    truncated normal weights with std 0.02, zero biases."""
+    """Swin's init of every Linear, the DRLoc MLPs' too (the authors'): N(0, 0.02) truncated, 0."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.trunc_normal_(m.weight, std=0.02)
@@ -268,8 +263,7 @@ def swin_init(module):
 
 
 def gather_pairs(grid, pos_a, pos_b):
-    """cat(e_a, e_b) [B, m, 2D] for the (row, col) positions pos_a, pos_b [B, m, 2] of grid
-    [B, h, w, D]."""
+    """cat(e_a, e_b) [B, m, 2D] at (row, col) positions pos_a, pos_b [B, m, 2] of [B, h, w, D]."""
     b = torch.arange(len(grid), device=grid.device)[:, None]
     pos_a, pos_b = (p.to(grid.device, non_blocking=True) for p in (pos_a, pos_b))
     return torch.cat([grid[b, pos_a[..., 0], pos_a[..., 1]],
@@ -278,11 +272,9 @@ def gather_pairs(grid, pos_a, pos_b):
 
 class DRLoc(nn.Module):
     """The classifier (Swin: final-norm tokens averaged; ViT: final-norm CLS; then a Linear) and,
-    in training mode, one localization MLP per DRLoc grid with its sampled pairs.
-
-    forward returns {"logits": [B, classes], "drloc": [{"pred", "pos_a", "pos_b", "k"} per head]}.
-    The pairs are drawn from `generator` (default: the global CPU RNG); `positions` (a list of
-    (pos_a, pos_b) per head) replaces the random draw, for tests."""
+    in training, one localization MLP per DRLoc grid with its pairs, drawn from `generator`
+    (`positions`, a list of (pos_a, pos_b) per head, replaces the draw, for tests). forward returns
+    {"logits": [B, classes], "drloc": [{"pred", "pos_a", "pos_b", "k"} per head]}."""
 
     def __init__(self, backbone, num_classes, mode="l1", pairs=64, heads=()):
         super().__init__()
@@ -326,10 +318,8 @@ class DRLoc(nn.Module):
         return outputs
 
     def sample(self, batch, k, generator):
-        """This process's pairs. The draw covers the batch of every process; the sampler deals a
-        global batch out round robin (process r holds its images r, r + n, ...), so process r keeps
-        those rows: an image gets the pairs it would get in a single process with the whole
-        batch."""
+        """This process's pairs: drawn for the global batch, whose images r, r + n, ... process r
+        holds (the sampler deals round robin): an image gets the pairs of a one-process run."""
         n, r = common.get_world_size(), common.get_rank()
         if self.mode == "exh":
             pos_a, pos_b = exhaustive_pairs(batch * n, k, generator)
@@ -353,10 +343,8 @@ def build_model(args, num_classes):
         sides = [g.shape[1] for g in grids]
         if min(sides) < 2:
             common.die(f"DRLoc grid(s) {sides} at --input_size {args.input_size}: a grid needs at "
-                       "least 2 x 2 tokens; raise --input_size (Swin: 224 px gives 7 x 7) or use "
-                       "--lambda_drloc 0")
-        common.log("DRLoc grid(s): "
-                   f"{' + '.join(f'{k}x{k}x{g.shape[3]}' for k, g in zip(sides, grids))}")
+                       "least 2 x 2 tokens; raise --input_size or use --lambda_drloc 0")
+        common.log("DRLoc grid(s):", " + ".join(f"{k}x{k}x{g.shape[3]}" for k, g in zip(sides, grids)))
         classify = args.drloc_mode in ("ce", "reg")  # k (abs) or 2k - 1 (signed) classes per axis
         heads = [(g.shape[3],
                   (2 * k - 1 if args.drloc_targets == "signed" else k) if classify else None)
@@ -368,8 +356,8 @@ def build_model(args, num_classes):
 # Supervised recipe: lambda schedule, parameter groups, seeded timm augmentation, data helpers
 # ================================================================================================
 def lambda_schedule(lambda_drloc, epochs, warmup_epochs=20, kind="warmup_decay"):
-    """Per-epoch lambda. warmup_decay (the authors' code): lambda * e / warmup up to the warmup
-    epoch, then lambda * (1 - (e - warmup) / (epochs - warmup)); constant: lambda throughout."""
+    """Per-epoch lambda. warmup_decay (the authors'): lambda e / warmup up to the warmup epoch, then
+    lambda (1 - (e - warmup) / (epochs - warmup)); constant: lambda throughout."""
     e = np.arange(epochs, dtype=np.float64)
     if kind == "constant":
         return np.full(epochs, float(lambda_drloc))
@@ -426,8 +414,7 @@ def check_args(args):
         common.die(f"--drloc_mode {args.drloc_mode} is defined with abs targets; use "
                    "--drloc_targets abs")
     if (args.mixup > 0 or args.cutmix > 0) and args.batch_size_per_gpu % 2:
-        common.die("mixup/cutmix need an even --batch_size_per_gpu "
-                   f"(got {args.batch_size_per_gpu})")
+        common.die(f"mixup/cutmix need an even --batch_size_per_gpu, not {args.batch_size_per_gpu}")
     if (args.lambda_drloc and args.lambda_schedule == "warmup_decay"
             and args.lambda_warmup_epochs >= args.epochs):
         common.log(f"warning: --lambda_warmup_epochs {args.lambda_warmup_epochs} >= --epochs "
@@ -442,11 +429,9 @@ def count_classes(dataset):
 
 def first(dataset, n, flag):
     """The first n images of `dataset` (all of them for n = 0): a deterministic subset."""
-    if not n:
-        return dataset
     if n > len(dataset):
         common.die(f"{flag} {n} exceeds the {len(dataset)} images of the split; lower it")
-    return torch.utils.data.Subset(dataset, range(n))
+    return torch.utils.data.Subset(dataset, range(n)) if n else dataset
 
 
 def load_pretrained(backbone, path):
@@ -504,8 +489,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
         scaler.step(optimizer)
         scaler.update()
 
-        # summed on the device: read per epoch
-        stats.update(lr=lr, grad_norm=grad_norm.double(), lambda_drloc=lambda_drloc)
+        stats.update(lr=lr, grad_norm=grad_norm.double(), lambda_drloc=lambda_drloc)  # on device
         del outputs, losses, loss, grad_norm  # not held through the next forward
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
@@ -514,10 +498,9 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
                         lam=f"{lambda_drloc:.3f}", lr=f"{lr:.2e}")
 
         periodic = args.save_every_iters and (it + 1) % args.save_every_iters == 0
-        # a signal in any process; at the epoch's end main() saves
-        if (preempted or periodic) and it + 1 < n_steps:
-            save_checkpoints(model, optimizer, scaler, criterion,
-                             epoch, it + 1, args, loader.dataset)
+        if (preempted or periodic) and it + 1 < n_steps:  # at the epoch's end main() saves
+            save_checkpoints(model, optimizer, scaler, criterion, epoch, it + 1, args,
+                             loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: float(v) / max(n_steps - start_step, 1) for k, v in totals.items()}
@@ -539,8 +522,7 @@ def validate(model, loader, device, args):
         with common.autocast(device, args.precision):
             logits = model(images)["logits"]
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        top = (top5 == labels[:, None])[:max(distinct, 0)]
-        # an unreadable image (label SKIPPED): its row is never correct
+        top = (top5 == labels[:, None])[:max(distinct, 0)]  # an unreadable image's is never right
         read = (labels != common.ImageFolderSafe.SKIPPED)[:max(distinct, 0)]
         distinct -= len(labels)
         counts += torch.stack([top[:, 0].sum(), top.any(dim=1).sum(), read.sum(), (~read).sum()])
@@ -566,8 +548,7 @@ def main(args):
     common.claim_output_dir(args.output_dir, "drloc.py")  # Part C
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
     common.check_resumed_args(ckpt, args, "drloc", run_only=["val_subset"])  # Part C
-    # refused before any data or model work
-    if ckpt is None and args.pretrained and not Path(args.pretrained).is_file():
+    if ckpt is None and args.pretrained and not Path(args.pretrained).is_file():  # before any work
         common.die(f"--pretrained {args.pretrained} is not a file")
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
@@ -577,17 +558,15 @@ def main(args):
     train_base = first(train_base, args.train_subset, "--train_subset")
     val_base = first(val_base, args.val_subset, "--val_subset")
     dataset = common.SeededDataset(train_base, train_transform(args), seed=args.seed)
-    # resize to 256/224 of the input size, centre crop
     val_transform = common.eval_transform(int(args.input_size * 256 / 224), args.input_size)
     val_dataset = common.SeededDataset(val_base, val_transform)
     loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
                                          train=True, seed=args.seed)
     val_loader, _ = common.make_loader(val_dataset, args.batch_size_per_gpu, args.num_workers,
                                        train=False)
-    mixup = None
-    if args.mixup > 0 or args.cutmix > 0:
-        mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
-                      label_smoothing=args.smoothing, num_classes=num_classes)
+    mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
+                   label_smoothing=args.smoothing, num_classes=num_classes)
+             if args.mixup > 0 or args.cutmix > 0 else None)
     common.log(f"data: {len(dataset)} train / {len(val_dataset)} val images, {num_classes} "
                f"classes, {len(loader)} steps per epoch")
 
@@ -608,8 +587,7 @@ def main(args):
     scaler = common.make_grad_scaler(device, args.precision)
 
     # ---- schedules: lr per iteration (scaled linearly with the total batch), lambda per epoch
-    n_steps = (len(loader) if not args.max_steps_per_epoch
-               else min(len(loader), args.max_steps_per_epoch))
+    n_steps = min(len(loader), args.max_steps_per_epoch or len(loader))
     scale = args.batch_size_per_gpu * common.get_world_size() / 512
     schedules = {
         "lr": common.cosine_scheduler(args.lr * scale, args.min_lr * scale, args.epochs, n_steps,
@@ -619,8 +597,7 @@ def main(args):
                                   args.lambda_schedule),
     }
 
-    # ---- resume from output_dir/checkpoint.pth when it exists
-    ckpt_path = Path(args.output_dir) / "checkpoint.pth"
+    ckpt_path = Path(args.output_dir) / "checkpoint.pth"  # resumed from, if it exists
     common.check_resumed_dataset(ckpt, dataset, args)  # Part C
     start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
