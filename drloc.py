@@ -162,9 +162,8 @@ def get_args_parser():
 # Loss
 # ================================================================================================
 def sample_pairs(batch, k, m, generator=None):
-    """m pairs per image, both positions uniform over the k x k grid, drawn independently with
-    replacement (self-pairs allowed): pos_a, pos_b [B, m, 2] as (row, col). Two randint calls on a
-    CPU generator, as the authors' code (on the same generator state, the very same pairs)."""
+    """m pairs per image, both positions uniform over the k x k grid with replacement (self-pairs
+    allowed): pos_a, pos_b [B, m, 2] (row, col), from two randint calls as the authors' code."""
     return (torch.randint(k, (batch, m, 2), generator=generator),
             torch.randint(k, (batch, m, 2), generator=generator))
 
@@ -344,7 +343,8 @@ def build_model(args, num_classes):
         if min(sides) < 2:
             common.die(f"DRLoc grid(s) {sides} at --input_size {args.input_size}: a grid needs at "
                        "least 2 x 2 tokens; raise --input_size or use --lambda_drloc 0")
-        common.log("DRLoc grid(s):", " + ".join(f"{k}x{k}x{g.shape[3]}" for k, g in zip(sides, grids)))
+        shapes = [f"{k}x{k}x{g.shape[3]}" for k, g in zip(sides, grids)]
+        common.log("DRLoc grid(s):", " + ".join(shapes))
         classify = args.drloc_mode in ("ce", "reg")  # k (abs) or 2k - 1 (signed) classes per axis
         heads = [(g.shape[3],
                   (2 * k - 1 if args.drloc_targets == "signed" else k) if classify else None)
