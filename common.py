@@ -1156,6 +1156,9 @@ def ignore_preemption_signals(_worker_id):
 def install_preemption_handler():
     """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0
     (or, past the grace period, `end_unless_checkpointed`)."""
+    global _grace_seconds
+    _grace_seconds = grace_seconds(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
+
     def handler(signum, frame):
         global _preemption_signal
         if _preemption_signal is None:  # the grace period starts: a checkpoint from now on ends it
@@ -1178,7 +1181,7 @@ def grace_seconds(text):
 # A step blocked on a read (a FIFO, a hung mount) must not outlast a preemption signal silently
 # (`timeout` sends no SIGKILL; SLURM's comes after KillWait, 30 s by default). 300 s: more than a
 # step or an epoch's validation takes, so that a run that is merely slow still checkpoints.
-PREEMPTION_GRACE_S = grace_seconds(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
+_grace_seconds = 300.0
 _checkpoint_reached = threading.Event()  # set as a preempted run writes or awaits its checkpoint
 
 
@@ -1186,10 +1189,10 @@ def end_unless_checkpointed():
     """After a preemption signal, in a thread: end the process in one line if the step has not
     reached the checkpoint within the grace period (the main thread may be blocked where no signal
     reaches it)."""
-    if _checkpoint_reached.wait(PREEMPTION_GRACE_S):
+    if _checkpoint_reached.wait(_grace_seconds):
         return
     message = (f"error: received {_preemption_signal}, but the step did not reach its checkpoint "
-               f"within {PREEMPTION_GRACE_S:g} s (a read that never returns?); the last "
+               f"within {_grace_seconds:g} s (a read that never returns?); the last "
                f"checkpoint, if any, is kept: run the same command again to resume")
     bar = bool(getattr(tqdm, "_instances", ()))  # a progress bar's line is open: end it
     print("\n" * bar + message, file=sys.stderr, flush=True)

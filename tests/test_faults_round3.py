@@ -301,7 +301,8 @@ def test_gpu_check_with_an_unknown_part_leaves_no_folder(tmp_path):
 
 
 def test_a_grace_period_that_is_no_number_of_seconds_is_one_line():
-    result = subprocess.run([sys.executable, "-c", "import common"], cwd=ROOT, capture_output=True,
+    code = "import common; common.install_preemption_handler()"  # (nothing happens at import)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, env={**ENV, "PREEMPTION_GRACE_SECONDS": "abc"})
     assert last_line(result) == ("error: PREEMPTION_GRACE_SECONDS=abc is not a finite number of "
                                  "seconds above 0; set it to e.g. 300 (the default), or unset it")
