@@ -1694,11 +1694,13 @@ def take_lock(lock):
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
-        die(f"cannot write {lock}: {e.strerror}" + " (a symbolic link)" * (e.errno == errno.ELOOP))
+        link = " (a symbolic link)" if e.errno == errno.ELOOP else ""
+        die(f"cannot write {lock}: {e.strerror}{link}")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace") or "a run starting now"
+        os.close(fd)
         die(f"--output_dir {lock.parent} is in use by another run ({holder}; lock {lock})")
     except OSError as e:  # e.g. Lustre mounted without flock
         log(f"warning: no file locks in {lock.parent} ({e.strerror}): nothing stops a second run")
