@@ -37,6 +37,7 @@ import stat
 import sys
 import threading
 import time
+import traceback
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -1658,9 +1659,9 @@ def make_folder(path, flag):
     """Create the folder that `flag` names, or stop in one line."""
     if not str(path).strip():  # e.g. an unset shell variable: never the current folder
         die(f"{flag} is empty; give a folder name")
-    if Path(path).exists() and not Path(path).is_dir():
-        die(f"{flag} {path} is a file, not a folder; give a folder name")
     try:
+        if Path(path).exists() and not Path(path).is_dir():
+            die(f"{flag} {path} is a file, not a folder; give a folder name")
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         die(f"cannot create {flag} {path}: {e.strerror or e}")
@@ -1671,8 +1672,7 @@ def claim_output_dir(output_dir, script, checkpoint="checkpoint.pth"):
     (never deleted; the kernel frees it however the process ends); a folder whose args.json
     names another script is refused."""
     global _claim
-    if _claim is not None and _claim["fd"] is not None:
-        os.close(_claim["fd"])  # main() run again in this process: the previous run is over
+    release_output_dir()  # main() run again in this process: the previous run is over
     _claim = {"dir": str(output_dir), "checkpoint": checkpoint, "fd": None}
     problem = None
     if is_main_process():
@@ -1687,6 +1687,14 @@ def claim_output_dir(output_dir, script, checkpoint="checkpoint.pth"):
     problem = all_gather_objects(problem)[0]
     if problem:
         raise SystemExit(problem)
+
+
+def release_output_dir():
+    """Unlock --output_dir (a main() called in a process that goes on; `.lock` itself stays)."""
+    global _claim
+    if _claim is not None and _claim["fd"] is not None:
+        os.close(_claim["fd"])
+    _claim = None
 
 
 def take_lock(lock):
@@ -1862,6 +1870,8 @@ def one_line_exits(main):
             close_progress_bars(end_line=True)  # the error starts a line
             report_to_torchrun(message)
             raise SystemExit(message) from None
+        finally:
+            release_output_dir()
     return run
 
 
@@ -1879,11 +1889,18 @@ def explain(e, args):
         reason = (str(e).strip() or type(e).__name__).splitlines()[0]
         return (f"error: out of memory ({reason}){where}; lower --batch_size_per_gpu (now "
                 f"{getattr(args, 'batch_size_per_gpu', '?')}) or the crop and image sizes")
-    if isinstance(e, dist.DistError) and is_dist():
+    if is_dist() and (isinstance(e, dist.DistError) or raised_in_a_collective(e)):
         return f"error: process {get_rank()} stops because another process of this run has stopped"
     if isinstance(e, OSError) and e.filename:
         return f"error: cannot use {e.filename}: {e.strerror or e}{where}"
     return None
+
+
+def raised_in_a_collective(e):
+    """Whether `e` comes from inside torch.distributed (gloo reports a peer that has exited as a
+    plain RuntimeError): told by where it was raised, not by its text."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
 
 
 def dead_loader_worker(wait=False):

@@ -366,13 +366,14 @@ def main(args):
     # recorded: with --batch_size_per_gpu, the total batch and lr
     args.world_size = common.get_world_size()
     check_own_folder(args)
-    common.claim_output_dir(args.output_dir, "eval_linear.py", "linear_checkpoint.pth")  # Part C
 
     # ---- frozen backbone; the linear probe's input size from one dry run
     model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
                                          args.patch_size, args.window_size, args.random_init,
                                          args.crop)
     identity = weights_identity(model, args)
+    # the weights are readable: the folder becomes this run's (a refused command makes none)
+    common.claim_output_dir(args.output_dir, "eval_linear.py", "linear_checkpoint.pth")  # Part C
 
     # ---- a probe to resume from output_dir/linear_checkpoint.pth: refused before any data work if
     # it is another's

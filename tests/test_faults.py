@@ -193,8 +193,9 @@ import builtins, os, runpy, sys
 sys.path.insert(0, os.getcwd())
 import common
 if os.environ.get("RANK", "0") == "0":
-    common.open = lambda path, mode="r", *a, **k: (builtins.open("/dev/full", "wb") if ".tmp" in str(path)
-                                                   else builtins.open(path, mode, *a, **k))
+    writer = common.open_for_writing
+    common.open_for_writing = lambda path, mode="w": (builtins.open("/dev/full", "wb")
+                                                      if ".tmp" in str(path) else writer(path, mode))
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -374,7 +375,7 @@ def test_symlink_loop_in_an_image_folder_is_refused_naming_the_link(tmp_path):
 def test_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pth"
     common.save_checkpoint({"epoch": 1}, path)
-    monkeypatch.setattr(common, "open", lambda *a, **k: open("/dev/full", "wb"), raising=False)   # ENOSPC on write
+    monkeypatch.setattr(common, "open_for_writing", lambda *a, **k: open("/dev/full", "wb"))  # ENOSPC
     with pytest.raises(SystemExit, match=f"cannot write {path}: No space left on device \\(the previous checkpoint.pth is kept\\)"):
         common.save_checkpoint({"epoch": 2, "weights": torch.zeros(100_000)}, path)
     assert torch.load(path, weights_only=True) == {"epoch": 1}

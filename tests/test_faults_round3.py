@@ -235,7 +235,7 @@ def running(pid):
 
 def test_workers_end_when_the_torchrun_launcher_is_killed(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                 "1", str(ROOT / "dino.py"), *TINY, "--epochs", "100000", "--output_dir",
+                                 "1", str(ROOT / "dino.py"), *TINY, "--epochs", "10000", "--output_dir",
                                  str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=ENV)
     for line in launcher.stdout:           # the worker trains
