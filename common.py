@@ -503,8 +503,8 @@ def average_step_stats(losses):
     any process was asked to stop (a preemption signal), in one all-reduce and one host read.
     A loss that is not finite in any process leaves `stats["loss"]` not finite everywhere."""
     values = [v.detach().float() for v in losses.values()]
-    device = values[0].device
-    preempted = torch.tensor(float(preemption_requested(device)), device=device)
+    flag = float(preemption_requested(values[0].device))
+    preempted = torch.full_like(values[0], flag)  # made on the device: no copy from the host
     sums = all_reduce_sum(torch.stack(values + [preempted]))
     *totals, preempted = sums.tolist()
     stats = {name: total / get_world_size() for name, total in zip(losses, totals)}
@@ -1016,7 +1016,8 @@ def init_distributed(device="auto"):
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         die(f"--device {device} is not a device of these scripts; give auto, cpu, cuda or cuda:N")
     if world_size > 1 and re.fullmatch(r"cuda:\d+", device):
-        die(f"--device {device} would put all {world_size} processes on one GPU; use cuda or auto")
+        die(f"--device {device} would put all {world_size} processes of this torchrun job on one "
+            f"GPU; use --device cuda (or auto): each process takes the GPU of its LOCAL_RANK")
     auto = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     chosen = torch.device({"auto": auto, "cuda": f"cuda:{local_rank}"}.get(device, device))
     if chosen.type == "cuda":
@@ -1052,7 +1053,11 @@ def choose_precision(device):
     """What `--precision auto` runs on `device`, and why: native bf16 (GPU or CPU), else on a GPU
     fp16 with a grad scaler (as the authors train), else fp32 (emulated bf16: ~25x slower)."""
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported(including_emulation=False):
+        try:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # an older torch: from the compute capability
+            native = torch.cuda.get_device_capability(device) >= (8, 0)
+        if native:
             return "bf16", "this GPU computes in bf16 natively"
         return "fp16", "this GPU has no native bf16: fp16 with a grad scaler, as the authors train"
     if device.type != "cpu":
