@@ -1738,12 +1738,10 @@ RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_i
 
 
 def check_start_args(args, stride=None):
-    """Refused before any data or model work: a warm-up longer than the run, a flag that --arch
-    ignores, crop flags (sizes in tokens of --arch's stride, or of `stride` px)."""
+    """Refused before any data or model work: a warm-up longer than the run, crop flags (sizes in
+    tokens of --arch's stride, or of `stride` px)."""
     if args.warmup_epochs > args.epochs:
-        die(f"--warmup_epochs {args.warmup_epochs} is longer than --epochs {args.epochs}")
-    if stride is None:  # (a tool's crops without a network give their own stride)
-        check_arch_flags(args)
+        die(f"--warmup_epochs {args.warmup_epochs} is longer than --epochs {args.epochs}; lower it")
     check_scale_range("--global_crops_scale", args.global_crops_scale)
     sizes = {"--global_crop_size": args.global_crop_size}
     if args.local_crops_number:
@@ -1775,8 +1773,9 @@ def check_scale_range(flag, scale):
 
 
 def check_resumed_args(ckpt, args, method, run_only=()):
-    """Refuse a checkpoint of another method, or one trained with arguments that change what is
-    trained (all but `RUN_ONLY_ARGS` and `run_only`), naming each."""
+    """Refuse a flag that --arch ignores, a checkpoint of another method, or one trained with
+    arguments that change what is trained (all but `RUN_ONLY_ARGS` and `run_only`)."""
+    check_arch_flags(args)
     args.world_size = get_world_size()  # recorded: with the batch per process, the peak lr
     if ckpt is None:
         return
@@ -1806,8 +1805,8 @@ def changed_args(recorded, args, ignored):
     old = json.loads(json.dumps(recorded, default=str))  # tuples as lists
     new = json.loads(json.dumps(vars(args), default=str))
     changed = [k for k in sorted(old.keys() & new.keys()) if k not in ignored and old[k] != new[k]]
-    return [f"{old[k]} processes (now {new[k]}: another total batch, and peak lr)"
-            if k == "world_size" else f"--{k} {old[k]} (now {new[k]})" for k in changed]
+    return [f"{old[k]} process{'es' * (old[k] != 1)} (now {new[k]}: another total batch, and peak "
+            f"lr)" if k == "world_size" else f"--{k} {old[k]} (now {new[k]})" for k in changed]
 
 
 def check_resumed_dataset(ckpt, dataset, args):
@@ -1853,6 +1852,7 @@ def one_line_exits(main):
     out of memory, another process of the run gone, a file that cannot be read or written."""
     @functools.wraps(main)
     def run(args):
+        _loader_workers.clear()  # an earlier run's workers in this process are not this run's
         try:
             return main(args)
         except KeyboardInterrupt:

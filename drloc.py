@@ -398,7 +398,6 @@ def posterize(img, bits_to_keep, **_):
 
 def check_args(args):
     """One-line errors for flag combinations that cannot work."""
-    common.check_arch_flags(args)
     if args.warmup_epochs > args.epochs:
         common.die(f"--warmup_epochs {args.warmup_epochs} exceeds --epochs {args.epochs}; lower it")
     patch = (args.patch_size if common.ARCHS[args.arch]["family"] == "vit"

@@ -443,8 +443,8 @@ def main(args):
     common.resolve_precision(args, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    check_args(args)  # Part C
     common.check_start_args(args)  # Part C
+    check_args(args)  # Part C
     common.claim_output_dir(args.output_dir, "selfpatch.py")  # Part C
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
     common.check_resumed_args(ckpt, args, "selfpatch")  # Part C

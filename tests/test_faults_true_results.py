@@ -96,7 +96,8 @@ def test_lowering_epochs_to_those_trained_writes_what_the_done_line_names(tmp_pa
 def test_a_mid_epoch_checkpoint_past_the_lowered_epochs_is_refused(tmp_path):
     args = parse(dino, ["--epochs", "1", "--output_dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="has already trained 1 epochs and 2 steps, more than --epochs 1"):
-        common.check_resumed_args({"epoch": 1, "step": 2, "args": vars(args)}, args, tmp_path / "checkpoint.pth")
+        common.check_resumed_args({"epoch": 1, "step": 2, "args": vars(args), "method": "dino"}, args,
+                                  "dino")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,14 +228,15 @@ def test_a_warmup_longer_than_the_run_is_refused_before_the_data(script, tmp_pat
     assert "data:" not in capsys.readouterr().out
 
 
-def test_batched_crops_on_images_of_two_sizes_are_refused_before_the_loader(tmp_path, capsys):
+def test_batched_crops_train_on_images_of_two_sizes(tmp_path):
+    """--batched_crops used to refuse a folder of mixed sizes; each image is now cropped on its own
+    (with loader workers too)."""
     data = image_folder(tmp_path / "data", ["a"], per_class=8)
-    image_folder(tmp_path / "data" / "b", ["c"], per_class=8, size=48)     # class b holds 48 px images
-    argv = [*TINY, "--dataset", "folder", "--data_path", str(data), "--batched_crops", "true", "--num_workers", "2",
-            "--output_dir", str(tmp_path / "out")]
-    with pytest.raises(SystemExit, match="--batched_crops needs images of one size; .* has sizes \\[\\(32, 32\\), \\(48, 48\\)\\]"):
-        dino.main(parse(dino, argv))
-    assert "data:" not in capsys.readouterr().out
+    image_folder(tmp_path / "data" / "b", ["c"], per_class=8, size=48)  # class b: 48 px images
+    argv = [*TINY, "--dataset", "folder", "--data_path", str(data), "--batched_crops", "true",
+            "--num_workers", "2", "--output_dir", str(tmp_path / "out")]
+    dino.main(parse(dino, argv))
+    assert (tmp_path / "out" / "checkpoint.pth").exists()
 
 
 @pytest.mark.parametrize("module, flags, flag", [(esvit, TINY, "--init_from"), (drloc, DRLOC_TINY, "--pretrained")])
@@ -243,7 +245,8 @@ def test_a_missing_weights_path_is_refused_before_any_work(tmp_path, capsys, mod
     with pytest.raises(SystemExit, match=f"{flag} {missing} is not a file"):
         common.run_script(module.main, module.get_args_parser(),
                           argv=[*flags, flag, str(missing), "--output_dir", str(tmp_path / "out")])
-    assert not (tmp_path / "out").exists() and "data:" not in capsys.readouterr().out
+    out = tmp_path / "out"  # nothing written but the folder's lock (which is never deleted)
+    assert (not out.exists() or os.listdir(out) == [".lock"]) and "data:" not in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,15 +308,18 @@ def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeyp
     (ConnectionResetError, seen on a loaded machine) instead of torch's RuntimeError: the exit is
     told by the workers' exit codes (no text of torch's, no private torch function); without a
     dead worker the error is not a loader's and keeps its traceback."""
+    workers = []
+
     def main(args):
+        common._loader_workers[:] = workers  # as the loader notes them
         raise ConnectionResetError(104, "Connection reset by peer")
     previous = signal.getsignal(signal.SIGCHLD)
     try:
-        monkeypatch.setattr(common, "_loader_workers", [FakeWorker(None), FakeWorker(-9)])
+        workers[:] = [FakeWorker(None), FakeWorker(-9)]
         with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\) was killed by "
                                              r"SIGKILL \(most likely the kernel's out-of-memory killer"):
             common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
-        monkeypatch.setattr(common, "_loader_workers", [FakeWorker(None)])
+        workers[:] = [FakeWorker(None)]
         with pytest.raises(ConnectionResetError):
             common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
     finally:
@@ -492,10 +498,12 @@ def test_eval_knn_dump_features_on_a_full_disk_is_one_line_and_leaves_no_part(tm
     """A part would be refused by the next --dump_features (never overwritten) and --load_features (incomplete)."""
     opened = []
 
-    def open_until_the_disk_is_full(path, mode):
+    writer = common.open_for_writing
+
+    def open_until_the_disk_is_full(path, mode="w"):
         opened.append(path)
-        return open("/dev/full" if len(opened) > 2 else path, mode)     # ENOSPC from the third file on
-    monkeypatch.setattr(common, "open", open_until_the_disk_is_full, raising=False)
+        return open("/dev/full", mode) if len(opened) > 2 else writer(path, mode)  # ENOSPC from the 3rd
+    monkeypatch.setattr(common, "open_for_writing", open_until_the_disk_is_full)
     tensors = (torch.eye(2), torch.tensor([0, 1]), torch.eye(2), torch.tensor([0, 1]))
     with pytest.raises(SystemExit, match=f"cannot write {tmp_path / 'testfeat.pth'}: No space left on device"):
         eval_knn.dump_features(tmp_path, tensors)
