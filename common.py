@@ -1787,7 +1787,8 @@ def check_resumed_args(ckpt, args, method, run_only=()):
     old = ckpt.get("args", {})
     changed = changed_args(old, args, RUN_ONLY_ARGS | set(run_only))
     if changed and not args.allow_changed_args:
-        die(f"{path} was trained with other arguments: {', '.join(changed)}")
+        die(f"{path} was trained with other arguments: {', '.join(changed)}; run with the "
+            f"checkpoint's values, another --output_dir, or --allow_changed_args")
     if changed:
         log(f"warning: resuming with changed arguments (--allow_changed_args): "
             f"{', '.join(changed)}")

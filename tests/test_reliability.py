@@ -277,7 +277,6 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "received SIGTERM" in out and "run the same command again to resume" in out
-    assert not (tmp_path / ".lock").exists()       # the preempted run released its --output_dir
     ckpt = load(tmp_path / "checkpoint.pth")
     assert ckpt["epoch"] < 50
     resumed = run_here("dino.py", *tiny(max_steps_per_epoch="0", epochs=str(ckpt["epoch"] + 1)),
