@@ -1,5 +1,5 @@
 """What the documents may claim from two seeds, and DRLoc's paired comparisons (used by
-extras/results.py; not a script).
+extras/experiments/results.py; not a script).
 
 The rule, stated once (docs/RESULTS.md and docs/COMPARISON.md, "What counts as a finding"): with two
 seeds, a difference is a finding only where its mean exceeds both the seeds' spread (half their

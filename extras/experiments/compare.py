@@ -2,12 +2,12 @@
 (steps, batch, crops, lr schedule, teacher settings, seeds) on both small backbones, so that a row's
 difference from the DINO row of its backbone is what the method adds. Not collected by pytest.
 
-    python extras/compare.py --phase val --seeds 0 1                     # choose: the held-out 10000 train images
-    python extras/compare.py --phase test --seeds 0 1                    # report: once per final setting
-    python extras/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
-    python extras/compare.py --phase test --seeds 0 1 --add_linear       # probe the logged rows' checkpoints
-    python extras/compare.py --phase test --seeds 1 --add_curve --curve_every 200   # their kept checkpoints' curve
-    python extras/compare.py --table                                     # refresh docs/COMPARISON.md from the log
+    python extras/experiments/compare.py --phase val --seeds 0 1                     # choose: the held-out 10000 train images
+    python extras/experiments/compare.py --phase test --seeds 0 1                    # report: once per final setting
+    python extras/experiments/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
+    python extras/experiments/compare.py --phase test --seeds 0 1 --add_linear       # probe the logged rows' checkpoints
+    python extras/experiments/compare.py --phase test --seeds 1 --add_curve --curve_every 200   # their kept checkpoints' curve
+    python extras/experiments/compare.py --table                                     # refresh docs/COMPARISON.md from the log
 
 Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
 (geometric matching of the ViT's tokens). `swin_pico3 --fit_window true`: DINO's loss alone (dino.py
@@ -35,9 +35,9 @@ Columns, per row and seed (one JSON line each in --log, with every command that 
 figures' lines of their raw output, UTC time, commit and machine: provenance.stamp):
   knn_top1        eval_knn.py, 20-NN, T = 0.07, 32 px; bank: the train split (val: the other 50000)
   linear_top1     eval_linear.py, LINEAR flags (100 epochs on features extracted once, no augmentation)
-  correspondence  extras/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images: `esvit`
+  correspondence  extras/tools/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images: `esvit`
                   (a view and its flip) and `overlap` (two overlapping crops), top-10 and all-token accuracy
-  collapse        extras/teacher_outputs.py on 2000 images: per-image teacher entropy h and entropy of
+  collapse        extras/tools/teacher_outputs.py on 2000 images: per-image teacher entropy h and entropy of
                   the mean target h_bar, both over ln K (h/ln K -> 1: uniform collapse; h_bar/ln K -> 0:
                   one output wins)
   train time, peak memory   of training alone (log.txt)
@@ -58,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import provenance  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
 import results  # noqa: E402
@@ -181,12 +181,12 @@ class Evaluator:
     def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"), name="correspondence"):
         baseline = ["--random_init"] if random_init else []
         return results.parse_correspondence(self.call(
-            ["extras/eval_correspondence.py", *self.data, "--crop_size", "32", "--max_images",
+            ["extras/tools/eval_correspondence.py", *self.data, "--crop_size", "32", "--max_images",
              str(CORRESPONDENCE_IMAGES), "--num_workers", "0", "--seed", str(self.seed), "--protocols", *protocols,
              "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
 
     def collapse(self, weights):
-        return results.parse_collapse(self.call(["extras/teacher_outputs.py", *self.data, *EVAL.split(), "--max_images", "2000",
+        return results.parse_collapse(self.call(["extras/tools/teacher_outputs.py", *self.data, *EVAL.split(), "--max_images", "2000",
                                          "--pretrained_weights", str(weights)], "teacher_outputs.txt"))
 
 
@@ -217,7 +217,7 @@ def ledger_use(row, args, seed, evaluation="row"):
     if args.phase != "test":
         return None
     command = " ".join(train_command(row, args, seed)) if row != "pixels" else \
-        f"python extras/compare.py --data {args.data} --phase test --rows pixels"
+        f"python extras/experiments/compare.py --data {args.data} --phase test --rows pixels"
     use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
            "evaluation": evaluation, "command": command}
     return provenance.record_test_use(args.ledger, use, args.reason)

@@ -1,4 +1,4 @@
-"""The rows of extras/compare.py's controlled comparison and the generated blocks of
+"""The rows of extras/experiments/compare.py's controlled comparison and the generated blocks of
 docs/COMPARISON.md, README.md and docs/RESULTS.md that are made from its log (not a script).
 
 Every figure in a block is a logged value or is computed here from logged, unrounded values: a gain
@@ -147,7 +147,7 @@ def relogged_table(pairs):
         lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | {new['seed']} | "
                      + " | ".join(cells) + f" | {precision} | {logged_dates([new])} |")
     return "\n".join(lines) if pairs else ("No line logged without a timestamp has been run again yet "
-                                          "(`python extras/compare.py --relog ...`).")
+                                          "(`python extras/experiments/compare.py --relog ...`).")
 
 
 def network_of(record, records):
@@ -424,7 +424,7 @@ def costs_table(records, data="fashion_mnist", phase="test"):
 
 
 def reproducing_commands(records, curve_every_default, curve_seeds_default):
-    """One `python extras/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
+    """One `python extras/experiments/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
     groups = {}
     for r in records:
         skip_linear = r["row"] != "pixels" and "linear_top1" not in r
@@ -441,7 +441,7 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
     lines = []
     for (data, phase, variant, steps, extra, skip_linear), (rows, seeds, trained_seeds, curve_seeds,
                                                             curve_every) in groups.items():
-        line = (f"python extras/compare.py --data {data} --phase {phase} --steps {steps} "
+        line = (f"python extras/experiments/compare.py --data {data} --phase {phase} --steps {steps} "
                 f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
         if curve_every and curve_every != {curve_every_default}:
             line += f" --curve_every {min(curve_every)}"
@@ -453,7 +453,7 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
     return lines
 
 
-# the learning curves' two metrics (extras/visualize.py draws them): log key, axis label
+# the learning curves' two metrics (extras/tools/visualize.py draws them): log key, axis label
 CURVES = (("knn_top1", "20-NN top-1 (%)"),
           ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
 

@@ -1,5 +1,5 @@
-"""Where a logged number comes from, and which network it measured (used by extras/compare.py,
-extras/results.py and extras/quickstart.py; not a script).
+"""Where a logged number comes from, and which network it measured (used by extras/experiments/compare.py,
+extras/experiments/results.py and extras/experiments/quickstart.py; not a script).
 
 - `stamp(started)`: what every new JSON line of a log records beside its numbers: the UTC times,
   the commit at the start (and the tracked files that differed from it then), and the machine (CPU model, cores,
@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402

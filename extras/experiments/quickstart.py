@@ -1,15 +1,15 @@
 """The README's quick start, run and logged: DINO on vit_pico (400 steps), then its teacher and the
 same network at random initialisation by 20-NN. One JSON line per run in --log
 (docs/data/quickstart.jsonl) with its commands, the figures' lines of their raw output, UTC time,
-commit and machine (extras/provenance.py); `--table` writes the generated blocks of README.md and
+commit and machine (extras/experiments/provenance.py); `--table` writes the generated blocks of README.md and
 docs/COMPARISON.md from the log. Not collected by pytest.
 
-    python extras/quickstart.py --data fashion_mnist                    # the README's command, test split
-    python extras/quickstart.py --data fashion_mnist_8k                 # the same 400 steps on 8000 images
-    python extras/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k   # that checkpoint, 8k's bank
-    python extras/quickstart.py --phase val --variant lr8 --extra "--lr 0.008" --steps 250   # a variant
-    python extras/quickstart.py --relog                                 # the lines without a stamp, again
-    python extras/quickstart.py --table
+    python extras/experiments/quickstart.py --data fashion_mnist                    # the README's command, test split
+    python extras/experiments/quickstart.py --data fashion_mnist_8k                 # the same 400 steps on 8000 images
+    python extras/experiments/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k   # that checkpoint, 8k's bank
+    python extras/experiments/quickstart.py --phase val --variant lr8 --extra "--lr 0.008" --steps 250   # a variant
+    python extras/experiments/quickstart.py --relog                                 # the lines without a stamp, again
+    python extras/experiments/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
 --holdout 10000 in the val phase; it resumes (a finished run is not trained again), so a second
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import compare  # noqa: E402
 import provenance  # noqa: E402

@@ -1,10 +1,10 @@
 """Fashion-MNIST results of docs/RESULTS.md: small-image CPU recipes of every method at the images'
 own scale (32 px crops of the 28 px images), over several seeds. Not collected by pytest.
 
-    python extras/results.py --runs dino --phase val --seeds 0     # choose: train on 50k, k-NN on the other 10k
-    python extras/results.py --runs dino --phase test --seeds 0 1  # report: train on 60k, k-NN on the test split
-    python extras/results.py --runs pixels                         # the k-NN on raw pixels, for scale
-    python extras/results.py --table                               # refresh docs/RESULTS.md from the log
+    python extras/experiments/results.py --runs dino --phase val --seeds 0     # choose: train on 50k, k-NN on the other 10k
+    python extras/experiments/results.py --runs dino --phase test --seeds 0 1  # report: train on 60k, k-NN on the test split
+    python extras/experiments/results.py --runs pixels                         # the k-NN on raw pixels, for scale
+    python extras/experiments/results.py --table                               # refresh docs/RESULTS.md from the log
 
 Phases. `val` trains with `--holdout 10000` and evaluates on those last 10000 train images (the
 other 50000 are the k-NN bank): every recipe and variant was chosen there. `test` trains on all 60000
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
@@ -97,14 +97,14 @@ def knn_top1(output):
 
 
 def parse_correspondence(output):
-    """{protocol: {top10_accuracy, accuracy, ...}} from extras/eval_correspondence.py's log lines."""
+    """{protocol: {top10_accuracy, accuracy, ...}} from extras/tools/eval_correspondence.py's log lines."""
     metrics = {}
     for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all tokens: accuracy "
                          r"([0-9.]+)% \(chance ([0-9.]+)%\), distance ([0-9.]+) cells", output):
         metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy", "chance_accuracy",
                                         "distance"], map(float, m.groups()[1:])))
     if not metrics:
-        sys.exit("error: no correspondence metrics in extras/eval_correspondence.py's output")
+        sys.exit("error: no correspondence metrics in extras/tools/eval_correspondence.py's output")
     return metrics
 
 
@@ -112,7 +112,7 @@ def parse_collapse(output):
     k = re.search(r"K = (\d+) \(ln K", output)
     h = re.search(r"per-image entropy ([0-9.]+) \| entropy of the mean target ([0-9.]+)", output)
     if not (k and h):
-        sys.exit("error: no entropies in extras/teacher_outputs.py's output")
+        sys.exit("error: no entropies in extras/tools/teacher_outputs.py's output")
     return {"teacher_entropy": float(h.group(1)), "mean_target_entropy": float(h.group(2)),
             "ln_k": math.log(int(k.group(1)))}
 
@@ -143,7 +143,7 @@ def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
 
 
 def write_fashion_mnist_8k(data_dir):
-    """Fashion-MNIST's 10000 test images as an ImageFolder (extras/compare.py's `fashion_mnist_8k`):
+    """Fashion-MNIST's 10000 test images as an ImageFolder (extras/experiments/compare.py's `fashion_mnist_8k`):
     the first 8000 in train/, the last 2000 in val/, one PNG each under its class name. Kept if it
     is already complete."""
     root = Path(data_dir) / "fashion_mnist_8k"
@@ -181,7 +181,7 @@ def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
         return None
     script, flags = RUNS[name]
     if script is None:
-        command, budget = "python extras/results.py --runs pixels --phase test", None
+        command, budget = "python extras/experiments/results.py --runs pixels --phase test", None
     else:
         command = " ".join(["python", script, *flags.split(), *extra.split(), "--seed", str(seed)])
         budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
@@ -311,13 +311,13 @@ def extra_flags(record):
 
 
 def reproducing_commands(records):
-    """One `python extras/results.py ...` line per (run, variant, phase, extra), seeds together, in the
+    """One `python extras/experiments/results.py ...` line per (run, variant, phase, extra), seeds together, in the
     order the log first holds them."""
     groups = {}
     for r in records:
         extra = "" if r["run"] == "pixels" else extra_flags(r)
         groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra), []).append(r["seed"])
-    return [f"python extras/results.py --runs {name} --phase {phase}"
+    return [f"python extras/experiments/results.py --runs {name} --phase {phase}"
             + ("" if name == "pixels" else f" --seeds {' '.join(str(s) for s in sorted(seeds))}")
             + variant_flags(variant, extra) for (name, variant, phase, extra), seeds in groups.items()]
 
@@ -367,7 +367,7 @@ def relogged_table(pairs):
         lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | {new['seed']} | "
                      f"{old['top1']:.2f}, {new['top1']:.2f} | {new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
     return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again yet "
-                                          "(`python extras/results.py --relog ...`).")
+                                          "(`python extras/experiments/results.py --relog ...`).")
 
 
 def unstamped_note(records):

@@ -1,8 +1,8 @@
 """The first GPU run in one command: every training script at paper size, the GPU-only paths, a
 summary.
 
-    python extras/gpu_check.py               # 1+ GPUs: 2.3 min on one H200, no download
-    python extras/gpu_check.py --device cpu  # the reduced form (tiny models, gloo) that
+    python extras/perf/gpu_check.py               # 1+ GPUs: 2.3 min on one H200, no download
+    python extras/perf/gpu_check.py --device cpu  # the reduced form (tiny models, gloo) that
                                              # tests/test_gpu_check.py runs
 
 Each part (docs/FIRST_GPU_RUN.md lists them and what each line should show) runs in its own
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
