@@ -1,11 +1,11 @@
 """Speed and memory of every method's training step, timed in the method's own code; and the
 README quick start's step with PIL crops in loader workers against batched crops without workers.
 
-    python extras/perf/bench.py                                 # CPU preset (vit_pico), every method
-    python extras/perf/bench.py --preset paper --device cuda    # ViT-S/16, 2 x 224 + 8 x 96, batch 64
+    python extras/perf/bench.py                               # CPU preset (vit_pico), every method
+    python extras/perf/bench.py --preset paper --device cuda  # ViT-S/16, 2 x 224 + 8 x 96, batch 64
     python extras/perf/bench.py --preset paper --device cuda --arch swin_tiny
     python extras/perf/bench.py --methods dino glsd_geometric --precisions fp32 bf16 --steps 3
-    python extras/perf/bench.py --recipe quickstart             # PIL crops + workers vs batched crops
+    python extras/perf/bench.py --recipe quickstart           # PIL crops + workers vs batched crops
 
 What is timed. A row (a method, with some flags of its own, in one precision) runs the method file's
 own `main()` on the arguments its own parser gives (`get_args_parser().parse_args([...])`), for one
