@@ -63,13 +63,15 @@ import common  # noqa: E402
 import provenance  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
 import results  # noqa: E402
 import compare_tables  # noqa: E402
-from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS, baseline_row, comparison_table,  # noqa: E402,F401
-                            costs_table, differences_table, log_key, summary_table)
+from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
+                            baseline_row, comparison_table, costs_table, differences_table,
+                            log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
 # the blocks of the comparison outside COMPARISON.md: the README's "Results at a glance", RESULTS.md
-SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"), ROOT / "docs" / "RESULTS.md": ("summary",)}
+SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"),
+                 ROOT / "docs" / "RESULTS.md": ("summary",)}
 LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
 COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
@@ -81,12 +83,15 @@ STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch
 SHARED = ("--global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
           "--global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
           "--out_dim 1024 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
-          "--batch_size_per_gpu 128 --lr 0.004 --min_lr 1e-6 --weight_decay 0.04 --weight_decay_end 0.04 "
+          "--batch_size_per_gpu 128 --lr 0.004 --min_lr 1e-6 --weight_decay 0.04 "
+          "--weight_decay_end 0.04 "
           "--clip_grad 3.0 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
-          "--warmup_teacher_temp 0.04 --teacher_temp 0.04 --warmup_teacher_temp_epochs 0 --batched_crops true --num_workers 0")
+          "--warmup_teacher_temp 0.04 --teacher_temp 0.04 --warmup_teacher_temp_epochs 0 "
+          "--batched_crops true --num_workers 0")
 # BACKBONES, METHOD_FLAGS (row: backbone, script, the method's own flags), RANDOM_ROWS, ROWS: compare_tables.py
 # the arguments that belong to a method (allowed to differ from its backbone's DINO row)
-OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops", "patch_loss_weight",
+OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops",
+                             "patch_loss_weight",
                              "patch_teacher_temp"},
             "esvit.py": {"use_region_loss", "init_from"},
             "glsd.py": {"local_matching", "match_threshold"}}
@@ -107,14 +112,16 @@ RAW_FIGURES = r"NN classifier result|top-10 accuracy|per-image entropy|K = \d+ \
 
 # set by the driver from --data, --phase, --steps, --curve_every, --seeds and --work_dir (an --extra that set one
 # would train another split, dataset or budget than its log line names)
-DRIVER_FLAGS = {"--dataset", "--data_path", "--holdout", "--epochs", "--max_steps_per_epoch", "--saveckp_freq", "--seed",
+DRIVER_FLAGS = {"--dataset", "--data_path", "--holdout", "--epochs", "--max_steps_per_epoch",
+                "--saveckp_freq", "--seed",
                 "--output_dir"}
 
 
 def training_flags(row, steps, curve_every):
     backbone, _, own = METHOD_FLAGS[row]
     epochs = steps // STEPS_PER_EPOCH
-    budget = (f"--epochs {epochs} --max_steps_per_epoch {STEPS_PER_EPOCH} --warmup_epochs {epochs / 2:g} "
+    budget = (f"--epochs {epochs} --max_steps_per_epoch {STEPS_PER_EPOCH} --warmup_epochs "
+              f"{epochs / 2:g} "
               f"--saveckp_freq {curve_every // STEPS_PER_EPOCH}")
     return f"{SHARED} {BACKBONES[backbone]} {budget} {own}".split()
 
@@ -122,22 +129,26 @@ def training_flags(row, steps, curve_every):
 def check_budget(steps, curve_every):
     if steps <= 0 or steps % STEPS_PER_EPOCH or curve_every <= 0 or curve_every % STEPS_PER_EPOCH \
             or steps % curve_every:
-        sys.exit(f"error: --steps {steps} and --curve_every {curve_every} must be positive multiples of "
+        sys.exit(f"error: --steps {steps} and --curve_every {curve_every} must be positive "
+                 "multiples of "
                  f"{STEPS_PER_EPOCH} (the steps of one epoch), --curve_every dividing --steps")
 
 
 def data_flags(data, phase, data_dir):
     flags, holdout = DATA[data]
     if phase == "val" and holdout is None:
-        sys.exit(f"error: --data {data} runs the test phase only (settings are chosen on fashion_mnist's val phase)")
-    return flags.format(data_dir=data_dir).split() + (["--holdout", str(holdout)] if phase == "val" else [])
+        sys.exit(f"error: --data {data} runs the test phase only (settings are chosen on "
+                 "fashion_mnist's val phase)")
+    return flags.format(data_dir=data_dir).split() + (["--holdout",
+                                                       str(holdout)] if phase == "val" else [])
 
 
 write_fashion_mnist_8k = results.write_fashion_mnist_8k
 
 
 def children_cpu_seconds():
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)   # finished children and their waited-for children
+    # finished children and their waited-for children
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
@@ -155,7 +166,8 @@ class Evaluator:
         self.commands.append(" ".join(["python", *args]))
         start, cpu = time.time(), children_cpu_seconds()
         output = provenance.run([sys.executable, *args], self.out / log_name)
-        for total, value in ((self.wall_seconds, time.time() - start), (self.cpu_seconds, children_cpu_seconds() - cpu)):
+        for total, value in ((self.wall_seconds, time.time() - start),
+                             (self.cpu_seconds, children_cpu_seconds() - cpu)):
             total[kind] = round(total.get(kind, 0.0) + value, 1)
         figures = [line for line in output.splitlines() if re.search(RAW_FIGURES, line)]
         if figures:
@@ -164,30 +176,38 @@ class Evaluator:
 
     def knn(self, weights, random_init=False, name="knn"):
         baseline = ["--random_init", "--seed", str(self.seed)] if random_init else []
-        return results.knn_top1(self.call(["eval_knn.py", *self.data, *EVAL.split(), "--nb_knn", "20",
-                                           "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
+        return results.knn_top1(self.call(["eval_knn.py", *self.data, *EVAL.split(), "--nb_knn",
+                                           "20",
+                                           "--pretrained_weights", str(weights), *baseline],
+                                          f"{name}.txt"))
 
     def linear(self, weights, random_init=False):
         out = self.out / "linear"
         baseline = ["--random_init"] if random_init else []
-        self.call(["eval_linear.py", *self.data, *EVAL.split(), *LINEAR.split(), "--seed", str(self.seed),
-                   "--pretrained_weights", str(weights), *baseline, "--output_dir", str(out)], "linear.txt")
+        self.call(["eval_linear.py", *self.data, *EVAL.split(), *LINEAR.split(), "--seed",
+                   str(self.seed),
+                   "--pretrained_weights", str(weights), *baseline, "--output_dir", str(out)],
+                  "linear.txt")
         # the last epoch's top-1, not eval_linear's best over the validated epochs (it also validates
         # epoch 0): nothing is chosen on the evaluation split
         last = (out / "log.txt").read_text().splitlines()[-1]
         self.raw_output["linear"] = [last]
         return json.loads(last)["val_top1"]
 
-    def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"), name="correspondence"):
+    def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"),
+                       name="correspondence"):
         baseline = ["--random_init"] if random_init else []
         return results.parse_correspondence(self.call(
             ["extras/tools/eval_correspondence.py", *self.data, "--crop_size", "32", "--max_images",
-             str(CORRESPONDENCE_IMAGES), "--num_workers", "0", "--seed", str(self.seed), "--protocols", *protocols,
+             str(CORRESPONDENCE_IMAGES), "--num_workers", "0", "--seed", str(self.seed),
+             "--protocols", *protocols,
              "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
 
     def collapse(self, weights):
-        return results.parse_collapse(self.call(["extras/tools/teacher_outputs.py", *self.data, *EVAL.split(), "--max_images", "2000",
-                                         "--pretrained_weights", str(weights)], "teacher_outputs.txt"))
+        return results.parse_collapse(self.call(["extras/tools/teacher_outputs.py", *self.data,
+                                                 *EVAL.split(), "--max_images", "2000",
+                                         "--pretrained_weights", str(weights)],
+                                                "teacher_outputs.txt"))
 
 
 def row_paths(row, args, seed):
@@ -202,13 +222,15 @@ def train_command(row, args, seed):
     row = RANDOM_ROWS.get(row, row)
     out = row_paths(row, args, seed)[0]
     return ["python", METHOD_FLAGS[row][1], *training_flags(row, args.steps, args.curve_every),
-            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(), "--seed", str(seed),
+            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(), "--seed",
+            str(seed),
             "--output_dir", str(out)]
 
 
 def finished(record, evaluate, started):
     return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
-            "cpu_seconds": evaluate.cpu_seconds, "raw_output": evaluate.raw_output, **provenance.stamp(started)}
+            "cpu_seconds": evaluate.cpu_seconds, "raw_output": evaluate.raw_output,
+            **provenance.stamp(started)}
 
 
 def ledger_use(row, args, seed, evaluation="row"):
@@ -226,7 +248,8 @@ def ledger_use(row, args, seed, evaluation="row"):
 def run_row(row, args, seed):
     """Train (unless a random-init or pixel row) and evaluate one row for one seed: its JSON record."""
     started = provenance.start()
-    record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
+    record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase,
+              "seed": seed,
               "steps": args.steps}
     use = ledger_use(row, args, seed)
     if use:
@@ -265,7 +288,8 @@ def run_row(row, args, seed):
             total["train_resumed"] = total.pop("train")
     else:
         record["train_seconds"] = evaluate.wall_seconds["train"]
-    record["precision"] = json.loads((out / "args.json").read_text())["precision"]   # what --precision auto chose
+    # what --precision auto chose
+    record["precision"] = json.loads((out / "args.json").read_text())["precision"]
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
@@ -287,7 +311,8 @@ def kept_paths(out, args):
 def curve_points(evaluate, kept):
     """20-NN and `overlap` all-token accuracy of each kept checkpoint ({step: path})."""
     return [{"step": step, "knn_top1": evaluate.knn(path, name=f"curve_knn_{path.stem[10:]}"),
-             "overlap_accuracy": evaluate.correspondence(path, protocols=("overlap",), name=f"curve_correspondence_"
+             "overlap_accuracy": evaluate.correspondence(path, protocols=("overlap",),
+                                                         name=f"curve_correspondence_"
                                                          f"{path.stem[10:]}")["overlap"]["accuracy"]}
             for step, path in kept.items()]
 
@@ -296,16 +321,21 @@ def check_kept(record, kept):
     """Refuse a kept checkpoint that is missing or was not written while the logged training ran
     (between its line's start and its time): a later run's would put another network into the line."""
     if not (record.get("started_utc") and record.get("utc")):
-        sys.exit(f"error: the line of {record['row']} seed {record['seed']} has no times (logged before stamps): "
-                 "which run kept its checkpoints is unknown; --relog --curve_seeds with its seed logs it with a curve")
+        sys.exit(f"error: the line of {record['row']} seed {record['seed']} has no times (logged "
+                 "before stamps): "
+                 "which run kept its checkpoints is unknown; --relog --curve_seeds with its seed "
+                 "logs it with a curve")
     start, end = (provenance.utc_seconds(record[k]) for k in ("started_utc", "utc"))
-    start = 0 if record.get("resumed") else start          # a resumed run kept some before its last process
+    # a resumed run kept some before its last process
+    start = 0 if record.get("resumed") else start
     for step, path in kept.items():
         if not path.is_file():
-            sys.exit(f"error: {path} is missing: {record['row']} seed {record['seed']} kept no checkpoint at step "
+            sys.exit(f"error: {path} is missing: {record['row']} seed {record['seed']} kept no "
+                     "checkpoint at step "
                      f"{step} (a --curve_every other than its training's?)")
         if not start <= path.stat().st_mtime <= end:
-            sys.exit(f"error: {path} is not from the logged run of {record['row']} seed {record['seed']} (written "
+            sys.exit(f"error: {path} is not from the logged run of {record['row']} seed "
+                     f"{record['seed']} (written "
                      "outside its time): its curve cannot be added")
 
 
@@ -317,12 +347,14 @@ def add_evaluation(row, args, seed, kind):
               if log_key(r) == key]
     if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
         return None      # not logged (or twice), already evaluated, or a random init (no curve)
-    stamped = bool(logged[0].get("utc"))     # the line the tables show: a relogged row's stamped one
+    # the line the tables show: a relogged row's stamped one
+    stamped = bool(logged[0].get("utc"))
     out, weights = row_paths(row, args, seed)
     if row in RANDOM_ROWS and not weights.is_file():
         provenance.starting_checkpoint(logged[0].get("start_of") or " ".join(train_command(row, args, seed)), weights)
     if not weights.is_file():
-        sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it cannot be evaluated")
+        sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it "
+                 "cannot be evaluated")
     if kind == "linear_top1" and (out / "linear").exists():
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
     if kind == "curve":
@@ -374,13 +406,19 @@ def generated_blocks(records, ledger=None):
     entries = provenance.read_ledger(ledger or COMMITTED_LEDGER)
     withdrawn = compare_tables.withdrawn_table(records)
     records, relogged = compare_tables.current(records)
-    blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
+    blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data,
+              (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
-    blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
+    blocks.update(summary=summary_table(records), differences=differences_table(records),
+                  costs=costs_table(records),
                   added=compare_tables.added_table(records),
-                  **{f"differences_{data}": differences_table(records, data) for data in ("fashion_mnist_8k", "shapes")},
-                  long_budget=compare_tables.long_budget_table(records), long_glance=compare_tables.long_glance_table(records),
-                  long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)),
+                  **{f"differences_{data}": differences_table(records,
+                                                              data) for data in ("fashion_mnist_8k",
+                                                                                 "shapes")},
+                  long_budget=compare_tables.long_budget_table(records),
+                  long_glance=compare_tables.long_glance_table(records),
+                  long_budget_differences=differences_table(records,
+                                                            runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
                   knn_k=compare_tables.knn_k_table(records),
                   test_uses=provenance.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
@@ -391,30 +429,45 @@ def generated_blocks(records, ledger=None):
 
 def get_args_parser():
     p = argparse.ArgumentParser("compare.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="fashion_mnist", choices=list(DATA), help="the dataset of the comparison")
+    p.add_argument("--data", default="fashion_mnist", choices=list(DATA), help="the dataset of the "
+                                                                               "comparison")
     p.add_argument("--phase", default="val", choices=["val", "test"],
-                   help="val: train without the held-out images and evaluate on them; test: the reported numbers")
+                   help="val: train without the held-out images and evaluate on them; test: the "
+                        "reported numbers")
     p.add_argument("--rows", nargs="+", default=None, choices=ROWS,
-                   help="rows to run, in this order (default: all, unless --table alone; a random-init row evaluates "
+                   help="rows to run, in this order (default: all, unless --table alone; a "
+                        "random-init row evaluates "
                         "its source row's network at the first step, without training it)")
     p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
-    p.add_argument("--steps", default=400, type=int, help="training steps of every row (a multiple of 50)")
-    p.add_argument("--curve_every", default=100, type=int, help="keep and evaluate a checkpoint every N steps")
-    p.add_argument("--curve_seeds", nargs="*", type=common.COUNT, default=[0], help="seeds whose kept checkpoints are evaluated")
+    p.add_argument("--steps", default=400, type=int, help="training steps of every row (a multiple "
+                                                          "of 50)")
+    p.add_argument("--curve_every", default=100, type=int, help="keep and evaluate a checkpoint "
+                                                                "every N steps")
+    p.add_argument("--curve_seeds", nargs="*", type=common.COUNT, default=[0],
+                   help="seeds whose kept checkpoints are evaluated")
     p.add_argument("--skip_linear", action="store_true",
                    help="no linear probe (its column shows —): about a fifth of a row's CPU time")
     p.add_argument("--add_linear", action="store_true",
-                   help="train nothing: probe the kept checkpoints of the logged --rows and --seeds that have no "
-                        "linear top-1 yet (run with --skip_linear), and write it into their log lines")
+                   help="train nothing: probe the kept checkpoints of the logged --rows and "
+                        "--seeds that have no "
+                        "linear top-1 yet (run with --skip_linear), and write it into their log "
+                        "lines")
     p.add_argument("--add_curve", action="store_true",
-                   help="train nothing: evaluate the checkpoints kept every --curve_every steps by the logged --rows "
-                        "and --seeds that have no learning curve yet (seeds not in --curve_seeds), into their log lines")
+                   help="train nothing: evaluate the checkpoints kept every --curve_every steps by "
+                        "the logged --rows "
+                        "and --seeds that have no learning curve yet (seeds not in --curve_seeds), "
+                        "into their log lines")
     p.add_argument("--relog", action="store_true",
-                   help="run again the --rows and --seeds whose log lines have no timestamp (written before stamps "
-                        "existed): the stamped line replaces them in the tables, which show both figures")
-    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
-    p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "compare"), help="output directories of the runs")
+                   help="run again the --rows and --seeds whose log lines have no timestamp "
+                        "(written before stamps "
+                        "existed): the stamped line replaces them in the tables, which show both "
+                        "figures")
+    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is "
+                                                       "logged")
+    p.add_argument("--extra", default="", help="training flags added to every trained row (a "
+                                               "variant)")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "compare"), help="output directories "
+                                                                              "of the runs")
     p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
                    help="where the built datasets (fashion_mnist_8k) are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "compare_32px.jsonl"),
@@ -433,8 +486,10 @@ def main():
     args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
-    if results.flags_set_by(args.extra, DRIVER_FLAGS):     # the line would name a data split or budget not trained
-        sys.exit(f"error: --extra cannot set {', '.join(sorted(DRIVER_FLAGS))}: --data, --phase, --steps, "
+    # the line would name a data split or budget not trained
+    if results.flags_set_by(args.extra, DRIVER_FLAGS):
+        sys.exit(f"error: --extra cannot set {', '.join(sorted(DRIVER_FLAGS))}: --data, --phase, "
+                 "--steps, "
                  f"--curve_every, --seeds and --work_dir do")
     check_budget(args.steps, args.curve_every)
     provenance.run_from_root(args, "work_dir", "data_dir", "log", "ledger")
@@ -449,12 +504,14 @@ def main():
     for kind, flag in (("linear_top1", "--add_linear"), ("curve", "--add_curve")):
         if getattr(args, flag[2:]):
             if not Path(args.log).is_file():
-                sys.exit(f"error: {flag} evaluates the rows logged in --log {args.log}, which does not exist")
+                sys.exit(f"error: {flag} evaluates the rows logged in --log {args.log}, which does "
+                         "not exist")
             for row in [r for r in (args.rows or ROWS) if r != "pixels"]:
                 for seed in args.seeds:
                     value = add_evaluation(row, args, seed, kind)
                     if value is not None:
-                        print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: {kind} {value}", flush=True)
+                        print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: {kind} "
+                              f"{value}", flush=True)
             rows = []
     for row in rows:
         # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0,
@@ -465,8 +522,10 @@ def main():
             key = (args.data, row, args.variant, args.phase, seed)
             lines = [r for r in logged
                      if log_key(r) == key and (row != "pixels" or "knn_top1_by_k" in r)]
-            if lines and (any(r.get("utc") for r in lines) or not args.relog):   # --relog: unstamped lines only
-                print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
+            # --relog: unstamped lines only
+            if lines and (any(r.get("utc") for r in lines) or not args.relog):
+                print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already",
+                      flush=True)
                 continue
             record = run_row(row, args, seed)
             if args.extra:
@@ -475,18 +534,22 @@ def main():
                 f.write(json.dumps(record) + "\n")
             if record.get("test_use"):
                 provenance.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
-            print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN {record['knn_top1']:.2f}%"
+            print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN "
+                  f"{record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")
                   + (f", {record['train_seconds'] / 60:.1f} min training" if "train_seconds" in record else ""),
                   flush=True)
     if args.table:      # every block is made before any file is written
         blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
-        documents = [(COMPARISON_MD, blocks), *((path, {n: blocks[n] for n in names}) for path, names in SUMMARY_FILES.items())]
+        documents = [(COMPARISON_MD, blocks), *((path, {n: blocks[n] for n in names}) for path,
+                                                names in SUMMARY_FILES.items())]
         texts = [path.read_text() for path, _ in documents]
-        refreshed = [results.refresh(text, chosen, tag=TAG) for text, (_, chosen) in zip(texts, documents)]
+        refreshed = [results.refresh(text, chosen, tag=TAG) for text, (_, chosen) in zip(texts,
+                                                                                         documents)]
         for (path, _), text, refreshed in zip(documents, texts, refreshed):
             path.write_text(refreshed)
-            print(f"{path.relative_to(ROOT)}: {'refreshed' if refreshed != text else 'already up to date'}")
+            print(f"{path.relative_to(ROOT)}: "
+                  f"{'refreshed' if refreshed != text else 'already up to date'}")
 
 
 if __name__ == "__main__":

@@ -29,11 +29,14 @@ METHOD_FLAGS = {
     "swin_glsd_similarity": ("swin", "glsd.py", "--local_matching similarity"),
 }
 # random-init row: the row whose network (at its first step) it evaluates
-RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino", "vit_selfpatch_random": "vit_selfpatch"}
+RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino",
+               "vit_selfpatch_random": "vit_selfpatch"}
 ROWS = [*METHOD_FLAGS, *RANDOM_ROWS, "pixels"]
 # column: {backbone: its row}; a backbone without the method shows n/a
-SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"}, "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
-                   "SelfPatch": {"vit": "vit_selfpatch"}, "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
+SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"},
+                   "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
+                   "SelfPatch": {"vit": "vit_selfpatch"},
+                   "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
                    "GLSD similarity": {"swin": "swin_glsd_similarity"}}
 cell = results.cell
 
@@ -89,7 +92,8 @@ def read_checked(path, what="--log"):
 
 def baseline_row(row):
     """The random-init row of a method row's network: its own, or its backbone's DINO row's."""
-    return next((r for r, source in RANDOM_ROWS.items() if source == row), f"{METHOD_FLAGS[row][0]}_random")
+    return next((r for r, source in RANDOM_ROWS.items() if source == row),
+                f"{METHOD_FLAGS[row][0]}_random")
 
 
 def log_key(record):
@@ -136,17 +140,21 @@ def relogged_table(pairs):
     """Each line logged again with its stamp: its figures then and now, now minus then, and the precision
     each trained in (a random-init row trains nothing: —)."""
     lines = ["| row | data | phase | variant | seed | 20-NN top-1 (%): then, now | now minus then | "
-             "linear top-1 (%): then, now | now minus then | precision: then, now | logged again (UTC) |",
+             "linear top-1 (%): then, now | now minus then | precision: then, now | logged again "
+             "(UTC) |",
              "|---" * 11 + "|"]
     for old, new in pairs:
         cells = []
         for key in ("knn_top1", "linear_top1"):
             then, now = old.get(key), new.get(key)
-            cells += [f"{then:.2f}, {now:.2f}", f"{now - then:+.2f}"] if None not in (then, now) else ["—", "—"]
+            cells += [f"{then:.2f}, {now:.2f}",
+                      f"{now - then:+.2f}"] if None not in (then, now) else ["—", "—"]
         precision = "—" if new.get("random_init") else f"{old.get('precision', 'not logged')}, {new.get('precision')}"
-        lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | {new['seed']} | "
+        lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | "
+                     f"{new['seed']} | "
                      + " | ".join(cells) + f" | {precision} | {logged_dates([new])} |")
-    return "\n".join(lines) if pairs else ("No line logged without a timestamp has been run again yet "
+    return "\n".join(lines) if pairs else ("No line logged without a timestamp has been run again "
+                                           "yet "
                                           "(`python extras/experiments/compare.py --relog ...`).")
 
 
@@ -156,10 +164,12 @@ def network_of(record, records):
     if "network" in record:
         return record["network"]
     if record.get("random_init"):
-        key = (record["data"], RANDOM_ROWS[record["row"]], record["variant"], record["phase"], record["seed"])
+        key = (record["data"], RANDOM_ROWS[record["row"]], record["variant"], record["phase"],
+               record["seed"])
         source = next((r for r in records if log_key(r) == key), None)
         if source is None:
-            sys.exit(f"error: {record['row']} seed {record['seed']} logs no network and its source row "
+            sys.exit(f"error: {record['row']} seed {record['seed']} logs no network and its source "
+                     "row "
                      f"{key[1]} is not logged: which network it evaluated is unknown")
         return network_of(source, records)
     return json.loads(provenance.command_signature(record["commands"][0]))
@@ -185,8 +195,10 @@ def gains(rs, base, records, key="knn_top1"):
             return None
         mine, theirs = network_of(r, records), network_of(b, records)
         if mine != theirs:
-            sys.exit(f"error: {r['row']} ({r['variant']}, seed {r['seed']}) cannot be paired with {b['row']}: another "
-                     f"network ({mine['arch']} {mine['image_token']} {mine['keys_sha256']} vs {theirs['arch']} "
+            sys.exit(f"error: {r['row']} ({r['variant']}, seed {r['seed']}) cannot be paired with "
+                     f"{b['row']}: another "
+                     f"network ({mine['arch']} {mine['image_token']} {mine['keys_sha256']} vs "
+                     f"{theirs['arch']} "
                      f"{theirs['image_token']} {theirs['keys_sha256']}); log its own random-init row")
         out.append(r[key] - b[key])
     return out
@@ -222,8 +234,10 @@ def train_minutes(rs):
 def comparison_table(records, data, phase):
     """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
     the variants and ROWS' order within one."""
-    lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | linear top-1 (%) | linear gain | "
-             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln K | "
+    lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | linear top-1 (%) | "
+             "linear gain | "
+             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln "
+             "K | "
              "train time (min) | peak memory (MB) | logged (UTC) |", "|---" * 15 + "|"]
     chosen = [r for r in records if r["data"] == data and r["phase"] == phase]
     base = baselines(records, data, phase)
@@ -239,10 +253,12 @@ def comparison_table(records, data, phase):
                 lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |" + " — |" * 9 + f" {logged_dates(rs)} |")
                 continue
             steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
-            shown = variant if phase == "val" or row in RANDOM_ROWS or validated(records, row, variant) \
+            shown = variant if phase == "val" or row in RANDOM_ROWS or validated(records, row,
+                                                                                 variant) \
                 else f"{variant} (test only)"
             knn_gain, linear_gain = ((None, None) if row in RANDOM_ROWS else
-                                     (gains(rs, base, records), gains(rs, base, records, "linear_top1")))
+                                     (gains(rs, base, records), gains(rs, base, records,
+                                                                      "linear_top1")))
             corr = [r["correspondence"] for r in rs]
             flip = f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / {cell([c['esvit']['accuracy'] for c in corr])}"
             overlap = cell([c["overlap"]["accuracy"] for c in corr])
@@ -250,9 +266,12 @@ def comparison_table(records, data, phase):
                        for k in ("teacher_entropy", "mean_target_entropy")]
             minutes = train_minutes(rs)
             memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
-            lines.append(f"| {row} | {shown} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
-                         f"{signed(knn_gain)} | {cell([r.get('linear_top1') for r in rs])} | {signed(linear_gain)} | "
-                         f"{flip} | {overlap} | {entropy[0]} | {entropy[1]} | {minutes} | {memory} | {logged_dates(rs)} |")
+            lines.append(f"| {row} | {shown} | {steps} | {len(rs)} | "
+                         f"{cell([r['knn_top1'] for r in rs])} | "
+                         f"{signed(knn_gain)} | {cell([r.get('linear_top1') for r in rs])} | "
+                         f"{signed(linear_gain)} | "
+                         f"{flip} | {overlap} | {entropy[0]} | {entropy[1]} | {minutes} | {memory} "
+                         f"| {logged_dates(rs)} |")
     if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
     return "\n".join(lines)
@@ -262,7 +281,8 @@ def summary_table(records, data="fashion_mnist", phase="test", variant="recipe")
     """The README's glance at the comparison: per backbone, the random-init 20-NN of DINO's network
     and each method's 20-NN with its gain over its own network at random init (a row whose network
     is not DINO's names its own random init), mean ± half-range over the seeds logged for both."""
-    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant) and "backbone" in r]
+    chosen = [r for r in records if (r["data"], r["phase"],
+                                     r["variant"]) == (data, phase, variant) and "backbone" in r]
     base = baselines(records, data, phase)
     lines = ["| backbone | random init | " + " | ".join(SUMMARY_COLUMNS) + " |",
              "|---|---|" + "---|" * len(SUMMARY_COLUMNS)]
@@ -278,9 +298,11 @@ def summary_table(records, data="fashion_mnist", phase="test", variant="recipe")
             rs = [r for r in chosen if r["row"] == rows[backbone]]
             gain = gains(rs, base, records) if rs else None
             own = baseline_row(rows[backbone])
-            note = (f" over its own random init {cell([base[(own, r['seed'])]['knn_top1'] for r in rs])}"
+            note = (f" over its own random init "
+                    f"{cell([base[(own, r['seed'])]['knn_top1'] for r in rs])}"
                     if gain and own != f"{backbone}_random" else "")
-            untried = "" if validated(records, rows[backbone], variant) else ", not run on validation"
+            untried = "" if validated(records, rows[backbone],
+                                      variant) else ", not run on validation"
             cells.append(f"{cell([r['knn_top1'] for r in rs])} ({signed(gain)}{note}{untried})" if gain else "—")
         lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
     if len(lines) == 2:
@@ -297,13 +319,16 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
     base, found = baselines(records, data, phase), {}
     for row, (backbone, _, _) in METHOD_FLAGS.items():
         dino = {r["seed"]: r for r in chosen if r["row"] == f"{backbone}_dino"}
-        rs = sorted((r for r in chosen if r["row"] == row and r["seed"] in dino), key=lambda r: r["seed"])
+        rs = sorted((r for r in chosen if r["row"] == row and r["seed"] in dino),
+                    key=lambda r: r["seed"])
         if not rs or row.endswith("_dino"):
             continue
         found[row] = (len(rs), {})
         for key in ("knn_top1", "linear_top1"):
-            mine, theirs = gains(rs, base, records, key), gains([dino[r["seed"]] for r in rs], base, records, key)
-            found[row][1][key] = (mine, [a - b for a, b in zip(mine, theirs)] if mine and theirs else None)
+            mine, theirs = gains(rs, base, records, key), gains([dino[r["seed"]] for r in rs], base,
+                                                                records, key)
+            found[row][1][key] = (mine, [a - b for a,
+                                         b in zip(mine, theirs)] if mine and theirs else None)
     return found
 
 
@@ -312,22 +337,26 @@ def differences_table(records, data="fashion_mnist", runs=(("test", "recipe"),))
     each (phase, variant) of `runs` (a phase and a variant column when there are several)."""
     several = len(runs) > 1
     lines = ["| backbone | row | " + ("phase | variant | " if several else "") + "seeds | 20-NN gain | minus DINO's "
-             "(seed 0, 1, ...) | linear gain | minus DINO's (seed 0, 1, ...) |", "|---" * (7 + 2 * several) + "|"]
+             "(seed 0, 1, ...) | linear gain | minus DINO's (seed 0, 1, ...) |",
+             "|---" * (7 + 2 * several) + "|"]
     for phase, variant in runs:
         for row, (seeds, by_key) in differences(records, data, phase, variant).items():
             cells = []
             for mine, diffs in by_key.values():
                 cells += [signed(mine), signed(diffs) + (f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else "")]
-            marked = variant if phase == "val" or validated(records, row, variant) else f"{variant} (test only)"
+            marked = variant if phase == "val" or validated(records, row,
+                                                            variant) else f"{variant} (test only)"
             run = f"{phase} | {marked} | " if several else ""
-            lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {run}{seeds} | "
+            lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {run}{seeds} "
+                         "| "
                          + " | ".join(cells) + " |")
     return "\n".join(lines) if len(lines) > 2 else f"No method row with its DINO row on {data} is logged yet."
 
 
 def long_runs(records, data="fashion_mnist"):
     """(phase, variant) of every comparison run longer than the shared 400 steps, validation first."""
-    return sorted({(r["phase"], r["variant"]) for r in records if r["data"] == data and r["steps"] > 400},
+    return sorted({(r["phase"],
+                    r["variant"]) for r in records if r["data"] == data and r["steps"] > 400},
                   key=lambda run: (run[0] != "val", run[1]))
 
 
@@ -336,9 +365,11 @@ def added_table(records):
     DINO's / its linear-probe gain minus DINO's."""
     found = differences(records)
     columns = [c for c in SUMMARY_COLUMNS if c != "DINO"]
-    lines = ["| over DINO: 20-NN / linear | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines = ["| over DINO: 20-NN / linear | " + " | ".join(columns) + " |",
+             "|---|" + "---|" * len(columns)]
     for backbone, flags in BACKBONES.items():
-        cells = [" / ".join(signed(found[rows[backbone]][1][k][1]) for k in ("knn_top1", "linear_top1"))
+        cells = [" / ".join(signed(found[rows[backbone]][1][k][1]) for k in ("knn_top1",
+                                                                             "linear_top1"))
                  if backbone in rows and rows[backbone] in found else "n/a" if backbone not in rows else "—"
                  for rows in (SUMMARY_COLUMNS[c] for c in columns)]
         lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
@@ -349,19 +380,26 @@ def long_budget_table(records, data="fashion_mnist"):
     """The rows trained longer than the shared budget's 400 steps, validation first: 20-NN and its gain
     over the row's own random init, and the 20-NN minus the raw pixels' of the same split (the same
     k-NN on the pixels of the same 32 px evaluation transform), seed by seed."""
-    lines = ["| row | phase | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | minus raw pixels (seed 0, 1, ...) | "
+    lines = ["| row | phase | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | minus raw "
+             "pixels (seed 0, 1, ...) | "
              "linear top-1 (%) | logged (UTC) |", "|---" * 10 + "|"]
     for phase in ("val", "test"):
         base, groups = baselines(records, data, phase), {}
-        pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"], r["row"]) == (data, phase, "pixels")), None)
+        pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"],
+                                                          r["row"]) == (data, phase,
+                                                                        "pixels")), None)
         for r in records:
-            if (r["data"], r["phase"]) == (data, phase) and r["row"] in METHOD_FLAGS and r["steps"] > 400:
+            if (r["data"], r["phase"]) == (data,
+                                           phase) and r["row"] in METHOD_FLAGS and r["steps"] > 400:
                 groups.setdefault((r["row"], r["variant"], r["steps"]), []).append(r)
-        for (row, variant, steps), rs in sorted(groups.items(), key=lambda item: (item[0][2], item[0][0])):
+        for (row, variant, steps), rs in sorted(groups.items(), key=lambda item: (item[0][2],
+                                                                                  item[0][0])):
             rs = sorted(rs, key=lambda r: r["seed"])
             below = [r["knn_top1"] - pixels for r in rs] if pixels is not None else None
-            shown = variant if phase == "val" or validated(records, row, variant) else f"{variant} (test only)"
-            lines.append(f"| {row} | {phase} | {shown} | {steps} | {len(rs)} | {cell([r['knn_top1'] for r in rs])} | "
+            shown = variant if phase == "val" or validated(records, row,
+                                                           variant) else f"{variant} (test only)"
+            lines.append(f"| {row} | {phase} | {shown} | {steps} | {len(rs)} | "
+                         f"{cell([r['knn_top1'] for r in rs])} | "
                          f"{signed(gains(rs, base, records))} | "
                          + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})" if below else "—")
                          + f" | {cell([r.get('linear_top1') for r in rs])} | {logged_dates(rs)} |")
@@ -372,23 +410,31 @@ def long_glance_table(records, data="fashion_mnist"):
     """The README's glance at the longer budget: each row trained past 400 steps on both splits (how
     its budget was reached: COMPARISON.md and the test ledger), with its test 20-NN, that minus
     the test split's raw pixels, and the train time of every seed that logged one."""
-    pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"], r["row"]) == (data, "test", "pixels")), None)
+    pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"],
+                                                      r["row"]) == (data, "test", "pixels")), None)
     method = {row: name for name, rows in SUMMARY_COLUMNS.items() for row in rows.values()}
     groups = {}
     for r in records:
         if r["data"] == data and r["row"] in METHOD_FLAGS and r["steps"] > 400:
-            groups.setdefault((r["row"], r["variant"], r["steps"]), {}).setdefault(r["phase"], []).append(r)
-    lines = ["| backbone | method | steps | seeds: validation, test | test 20-NN top-1 (%) | minus raw pixels (seed 0, 1, ...) "
+            groups.setdefault((r["row"], r["variant"], r["steps"]), {}).setdefault(r["phase"],
+                                                                                   []).append(r)
+    lines = ["| backbone | method | steps | seeds: validation, test | test 20-NN top-1 (%) | minus "
+             "raw pixels (seed 0, 1, ...) "
              "| train time (min): split, seed, threads |", "|---" * 7 + "|"]
-    for (row, variant, steps), split in sorted(groups.items(), key=lambda g: (METHOD_FLAGS[g[0][0]][0] != "swin", g[0][2], g[0][0])):
+    for (row, variant, steps), split in sorted(groups.items(),
+                                               key=lambda g: (METHOD_FLAGS[g[0][0]][0] != "swin",
+                                                              g[0][2], g[0][0])):
         if not {"val", "test"} <= set(split):
             continue
         val, test = (sorted(split[phase], key=lambda r: r["seed"]) for phase in ("val", "test"))
         below = [r["knn_top1"] - pixels for r in test] if pixels is not None else None
-        timed = [(r["train_seconds"] / 60, r["phase"], r["seed"], r.get("machine", {}).get("threads") or "?")
+        timed = [(r["train_seconds"] / 60, r["phase"], r["seed"], r.get("machine",
+                                                                        {}).get("threads") or "?")
                  for r in val + test if "train_seconds" in r]      # a resumed training logs no time
-        times = ", ".join(f"{m:.1f} ({phase} {seed}, {t} thread{'' if t == 1 else 's'})" for m, phase, seed, t in timed)
-        lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {method[row]} | {steps} | {len(val)}, {len(test)} | "
+        times = ", ".join(f"{m:.1f} ({phase} {seed}, {t} thread{'' if t == 1 else 's'})" for m,
+                          phase, seed, t in timed)
+        lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {method[row]} | {steps} "
+                     f"| {len(val)}, {len(test)} | "
                      f"{cell([r['knn_top1'] for r in test])} | "
                      + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})" if below else "—")
                      + f" | {times or '—'} |")
@@ -398,7 +444,8 @@ def long_glance_table(records, data="fashion_mnist"):
 def costs_table(records, data="fashion_mnist", phase="test"):
     """CPU seconds of every command of a row (cpu_seconds), mean over its seeds: training per step
     (start-up included), each evaluation, each learning-curve point."""
-    lines = ["| row | variant | seeds | training, per step | 20-NN | linear probe | correspondence + collapse | "
+    lines = ["| row | variant | seeds | training, per step | 20-NN | linear probe | correspondence "
+             "+ collapse | "
              "each learning-curve point | logged (UTC) |", "|---" * 9 + "|"]
     groups = {}
     for r in records:
@@ -412,8 +459,10 @@ def costs_table(records, data="fashion_mnist", phase="test"):
     for (row, variant), rs in groups.items():
         cpu = [r["cpu_seconds"] for r in rs]
         columns = [mean(rs, lambda r: r["cpu_seconds"]["train"] / r["steps"] if "train" in r["cpu_seconds"] else None),
-                   mean(rs, lambda r: r["cpu_seconds"].get("knn")), mean(rs, lambda r: r["cpu_seconds"].get("linear")),
-                   mean(rs, lambda r: r["cpu_seconds"].get("correspondence", 0) + r["cpu_seconds"].get("teacher", 0)),
+                   mean(rs, lambda r: r["cpu_seconds"].get("knn")),
+                   mean(rs, lambda r: r["cpu_seconds"].get("linear")),
+                   mean(rs, lambda r: r["cpu_seconds"].get("correspondence",
+                                                           0) + r["cpu_seconds"].get("teacher", 0)),
                    mean([r for r in rs if r.get("curve")],
                         lambda r: r["cpu_seconds"]["curve"] / len(r["curve"]) if "curve" in r["cpu_seconds"] else None)
                    if any(r.get("curve") for r in rs) else None]
@@ -429,7 +478,9 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
     for r in records:
         skip_linear = r["row"] != "pixels" and "linear_top1" not in r
         key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
-        rows, seeds, trained_seeds, curve_seeds, curve_every = groups.setdefault(key, ([], set(), set(), set(), set()))
+        rows, seeds, trained_seeds, curve_seeds, curve_every = groups.setdefault(key,
+                                                                                 ([], set(), set(),
+                                                                                  set(), set()))
         if r["row"] not in rows:
             rows.append(r["row"])
         seeds.add(r["seed"])
@@ -441,7 +492,8 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
     lines = []
     for (data, phase, variant, steps, extra, skip_linear), (rows, seeds, trained_seeds, curve_seeds,
                                                             curve_every) in groups.items():
-        line = (f"python extras/experiments/compare.py --data {data} --phase {phase} --steps {steps} "
+        line = (f"python extras/experiments/compare.py --data {data} --phase {phase} --steps "
+                f"{steps} "
                 f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
         if curve_every and curve_every != {curve_every_default}:
             line += f" --curve_every {min(curve_every)}"

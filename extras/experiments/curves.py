@@ -188,8 +188,8 @@ def curves_inputs(args):
     series = curve_series(records, args.data, args.phase, args.variant)
     if not series:
         common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "
-                   f"--variant {args.variant} (extras/experiments/compare.py logs one for each seed in "
-                   f"--curve_seeds)")
+                   f"--variant {args.variant} (extras/experiments/compare.py logs one for each "
+                   f"seed in --curve_seeds)")
     pixels = next((r["knn_top1"] for r in records
                    if (r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")), None)
     return series, curves_title(series, args.data, args.phase, args.variant), pixels

@@ -63,7 +63,8 @@ def cpu_model():
 
 def git(*args):
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.rstrip("\n")
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.rstrip("\n")
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -79,7 +80,8 @@ def run(cmd, log_path):
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     stopped = []
     with open(log_path, "w") as log:
-        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                 env=env)
 
         def pass_on(*_):
             stopped.append("SIGTERM")
@@ -87,13 +89,15 @@ def run(cmd, log_path):
         previous = signal.signal(signal.SIGTERM, pass_on)
         try:
             returncode = child.wait()
-        except KeyboardInterrupt:               # Ctrl-C reached the command too (the terminal's process group)
+        # Ctrl-C reached the command too (the terminal's process group)
+        except KeyboardInterrupt:
             stopped.append("Ctrl-C")
             returncode = child.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
     if stopped:
-        sys.exit(f"stopped ({stopped[0]}) during {cmd[1] if len(cmd) > 1 else cmd[0]}; see {log_path}; run the same "
+        sys.exit(f"stopped ({stopped[0]}) during {cmd[1] if len(cmd) > 1 else cmd[0]}; see "
+                 f"{log_path}; run the same "
                  f"command again to go on")
     if returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed; see {log_path}")
@@ -103,8 +107,10 @@ def run(cmd, log_path):
 def start():
     """What `stamp` needs from the start of a logged piece of work, the commit included: the code that
     runs is the one checked out now, whatever is committed before the work ends."""
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"started_utc": utc_now(), "load_average_start": load_average(), "commit": git("rev-parse", "HEAD"),
+    changed = [line[3:] for line in git("status", "--porcelain",
+                                        "--untracked-files=no").splitlines()]
+    return {"started_utc": utc_now(), "load_average_start": load_average(),
+            "commit": git("rev-parse", "HEAD"),
             "uncommitted": changed}
 
 
@@ -114,8 +120,10 @@ def stamp(started):
     return {"started_utc": started["started_utc"], "utc": utc_now(), "commit": started["commit"],
             "uncommitted": started["uncommitted"],
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
-                        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),   # what run() gives each command
-                        "load_average_start": started["load_average_start"], "load_average_end": load_average(),
+                        # what run() gives each command
+                        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),
+                        "load_average_start": started["load_average_start"],
+                        "load_average_end": load_average(),
                         "torch": torch.__version__, "python": platform.python_version()}}
 
 
@@ -140,12 +148,14 @@ def network_signature(ckpt):
     a checkpoint of this repository (its teacher, or DRLoc's model)."""
     record = eval_knn.recorded_backbone(ckpt)
     state = ckpt["teacher"] if "teacher" in ckpt else ckpt["model"]
-    if record.get("image_token") == "ca_head":     # eval_knn.PooledViT: the backbone and the aggregation module
+    # eval_knn.PooledViT: the backbone and the aggregation module
+    if record.get("image_token") == "ca_head":
         state = {k: v for k, v in state.items() if k.startswith(("backbone.", "ca_head."))}
     else:
         state = eval_knn.backbone_state_dict(state)[0]
     keys = sorted(f"{k}:{list(v.shape)}" for k, v in state.items())
-    return {"image_token": record.get("image_token", "backbone"), "arch": record["arch"], "tensors": len(keys),
+    return {"image_token": record.get("image_token", "backbone"), "arch": record["arch"],
+            "tensors": len(keys),
             "parameters": sum(v.numel() for v in state.values()),
             "keys_sha256": hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]}
 
@@ -179,7 +189,8 @@ def initial_checkpoint(command, seed=None):
     module, args = parse_training_command(command)
     common.fix_random_seeds(args.seed if seed is None else seed)
     model = module.build_model(args, args.drop_path_rate)
-    image_token = eval_knn.recorded_backbone({"args": vars(args), "method": module.__name__}).get("image_token",
+    image_token = eval_knn.recorded_backbone({"args": vars(args),
+                                              "method": module.__name__}).get("image_token",
                                                                                                   "backbone")
     state = model.state_dict()
     return {"teacher": state, "student": state, "args": vars(args), "method": module.__name__,
@@ -189,8 +200,10 @@ def initial_checkpoint(command, seed=None):
 def command_signature(command):
     """network_signature of what a logged training command trains (built, not trained), as JSON."""
     words = command.split()
-    where = {"--seed", "--output_dir", "--holdout", "--dataset", "--data_path"}    # no bearing on the network
-    kept = [w for i, w in enumerate(words) if w not in where and (i == 0 or words[i - 1] not in where)]
+    # no bearing on the network
+    where = {"--seed", "--output_dir", "--holdout", "--dataset", "--data_path"}
+    kept = [w for i,
+            w in enumerate(words) if w not in where and (i == 0 or words[i - 1] not in where)]
     return signature_of_flags(" ".join(kept))
 
 
@@ -223,10 +236,13 @@ def check_trained(cmd, out):
         planned = json.loads((Path(out) / "args.json").read_text())["epochs"]
         done = [json.loads(line)["epoch"] for line in log.read_text().splitlines()] if log.exists() else []
     except (OSError, ValueError, KeyError, TypeError) as e:
-        sys.exit(f"error: {' '.join(cmd)} left no readable args.json / log.txt in {out} ({type(e).__name__}: {e})")
+        sys.exit(f"error: {' '.join(cmd)} left no readable args.json / log.txt in {out} "
+                 f"({type(e).__name__}: {e})")
     if not done or done[-1] != planned - 1:
-        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} epochs (a "
-                 f"preemption signal?); nothing is logged: run the same command again to resume from "
+        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} "
+                 "epochs (a "
+                 f"preemption signal?); nothing is logged: run the same command again to resume "
+                 "from "
                  f"{Path(out) / 'checkpoint.pth'}")
 
 
@@ -249,7 +265,8 @@ def check_log_writable(path, what="--log"):
     if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
         reason = "a folder" if path.is_dir() else "no permission, or a read-only disk"
         sys.exit(f"error: {what} {path} cannot be written ({reason}); nothing was run")
-    if path.is_file() and path.stat().st_size:      # a cut line (a killed append) would swallow the next record
+    # a cut line (a killed append) would swallow the next record
+    if path.is_file() and path.stat().st_size:
         read_log(path, what=what)
 
 
@@ -292,7 +309,8 @@ def read_log(path, required=(), what="--log"):
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: {what} {path} cannot be read as text ({type(e).__name__}): nothing is written")
+        sys.exit(f"error: {what} {path} cannot be read as text ({type(e).__name__}): nothing is "
+                 "written")
     records = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -305,7 +323,8 @@ def read_log(path, required=(), what="--log"):
             sys.exit(f"error: {what} {path} line {number} is not a JSON object: nothing is written")
         missing = [k for k in required if k not in record]
         if missing:
-            sys.exit(f"error: {what} {path} line {number} has no {', '.join(missing)}: not this script's log "
+            sys.exit(f"error: {what} {path} line {number} has no {', '.join(missing)}: not this "
+                     "script's log "
                      f"(a training log.txt?); nothing is written")
         records.append(record)
     if not records:

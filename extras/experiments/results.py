@@ -55,12 +55,16 @@ SWIN = "--arch swin_pico3 --fit_window true --out_dim 1024 --lr 0.004 --epochs 1
 
 # DRLoc is supervised: vit_pico/2 at the images' 28 px gives a 14x14 grid, pooled to the paper's 7x7
 # (as DRLoc's ViT-B at 224 px); 5 epochs of 10000 train images; its number is its own top-1.
-DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch vit_pico --patch_size 2 --input_size 28 "
-         "--batch_size_per_gpu 64 --epochs 5 --warmup_epochs 1 --lr 5e-3 --lambda_warmup_epochs 1 --num_workers 1")
+DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch vit_pico --patch_size 2 --input_size "
+         "28 "
+         "--batch_size_per_gpu 64 --epochs 5 --warmup_epochs 1 --lr 5e-3 --lambda_warmup_epochs 1 "
+         "--num_workers 1")
 
 # DRLoc in its paper's regime (claims.py: DRLOC_EPOCHS, DRLOC_ARCHS)
-DRLOC_SMALL = ("--dataset fashion_mnist --train_subset 5000 --val_subset 5000 --input_size 28 --batch_size_per_gpu 64 "
-               f"--lr 5e-3 --epochs {DRLOC_EPOCHS} --warmup_epochs 1 --lambda_warmup_epochs 1 --num_workers 0 "
+DRLOC_SMALL = ("--dataset fashion_mnist --train_subset 5000 --val_subset 5000 --input_size 28 "
+               "--batch_size_per_gpu 64 "
+               f"--lr 5e-3 --epochs {DRLOC_EPOCHS} --warmup_epochs 1 --lambda_warmup_epochs 1 "
+               "--num_workers 0 "
                "--saveckp_freq 0")
 
 SELFPATCH_EPOCHS1 = (f"{SSL} {VIT} --out_dim 1024 --patch_out_dim 1024 "
@@ -72,8 +76,10 @@ RUNS = {
     "dino": ("dino.py", f"{SSL} {VIT}"),
     # SelfPatch: three epochs at teacher temperature 0.02 with DINO's crop scales, on the one-epoch base
     # its variants were searched on (below); --saveckp_freq 1 keeps each epoch's checkpoint
-    "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --teacher_temp 0.02 --warmup_teacher_temp 0.02 --epochs 3 "
-                                  "--warmup_epochs 1 --global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
+    "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --teacher_temp 0.02 --warmup_teacher_temp "
+                                  "0.02 --epochs 3 "
+                                  "--warmup_epochs 1 --global_crops_scale 0.4 1 "
+                                  "--local_crops_scale 0.05 0.4 "
                                   "--saveckp_freq 1"),
     # The one-epoch base: K = K_p = 1024 (one patch head output per token) and teacher temperature 0.01,
     # not 4096 and the paper's 0.04 (variants `tt0.04`, `tt0.02`, `k1024_tt0.02`)
@@ -83,7 +89,8 @@ RUNS = {
     "glsd": ("glsd.py", f"{SSL} {SWIN} --local_matching geometric"),
     "drloc": ("drloc.py", DRLOC),
     "drloc_base": ("drloc.py", f"{DRLOC} --lambda_drloc 0"),
-    **{f"drloc5k_{arch}{suffix}": ("drloc.py", f"{DRLOC_SMALL} {flags}{extra}") for arch, flags in DRLOC_ARCHS.items()
+    **{f"drloc5k_{arch}{suffix}": ("drloc.py", f"{DRLOC_SMALL} {flags}{extra}") for arch,
+       flags in DRLOC_ARCHS.items()
        for suffix, extra in (("", ""), ("_base", " --lambda_drloc 0"))},
 }
 HOLDOUT = 10000
@@ -99,9 +106,11 @@ def knn_top1(output):
 def parse_correspondence(output):
     """{protocol: {top10_accuracy, accuracy, ...}} from extras/tools/eval_correspondence.py's log lines."""
     metrics = {}
-    for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all tokens: accuracy "
+    for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all "
+                         r"tokens: accuracy "
                          r"([0-9.]+)% \(chance ([0-9.]+)%\), distance ([0-9.]+) cells", output):
-        metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy", "chance_accuracy",
+        metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy",
+                                        "chance_accuracy",
                                         "distance"], map(float, m.groups()[1:])))
     if not metrics:
         sys.exit("error: no correspondence metrics in extras/tools/eval_correspondence.py's output")
@@ -134,7 +143,8 @@ def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
     def features(dataset):
         pairs = [dataset[i] for i in range(len(dataset))]
         pixels = torch.stack([transform(image.convert("RGB")).flatten() for image, _ in pairs])
-        return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _, label in pairs])
+        return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _,
+                                                                           label in pairs])
 
     (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
     return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels,
@@ -152,7 +162,8 @@ def write_fashion_mnist_8k(data_dir):
     test = common.FashionMNIST(train=False)
     for i in range(len(test)):
         image, label = test[i]
-        folder = root / ("train" if i < 8000 else "val") / re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
+        folder = root / ("train" if i < 8000 else "val") / re.sub(r"\W+", "_",
+                                                                  f"{label}_{test.classes[label]}")
         folder.mkdir(parents=True, exist_ok=True)
         image.convert("L").save(folder / f"{i:05d}.png")
     return root
@@ -161,8 +172,10 @@ def write_fashion_mnist_8k(data_dir):
 def pixels_top1(phase):
     """The raw-pixel 20-NN of Fashion-MNIST: val, the last HOLDOUT train images against the others;
     test, the test split against the train split."""
-    data = argparse.Namespace(dataset="fashion_mnist", data_path=None, holdout=HOLDOUT if phase == "val" else 0)
-    return pixels_knn_top1(common.build_dataset(data, train=True), common.build_dataset(data, train=False))
+    data = argparse.Namespace(dataset="fashion_mnist", data_path=None,
+                              holdout=HOLDOUT if phase == "val" else 0)
+    return pixels_knn_top1(common.build_dataset(data, train=True),
+                           common.build_dataset(data, train=False))
 
 
 def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None, reason=""):
@@ -198,22 +211,28 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
     split = ["--holdout", str(HOLDOUT)] if phase == "val" else []
     out = Path(work_dir) / f"{name}_{variant}_{phase}_seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
-    train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed), "--output_dir", str(out)]
-    resumed = (out / "checkpoint.pth").exists()     # a stopped run goes on: its time would be its last process's only
+    train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed),
+             "--output_dir", str(out)]
+    # a stopped run goes on: its time would be its last process's only
+    resumed = (out / "checkpoint.pth").exists()
     start = time.time()
     provenance.run(train, out / "train.txt")
     provenance.check_trained(train, out)
-    record.update({"resumed": True} if resumed else {"train_seconds": round(time.time() - start, 1)})
+    record.update({"resumed": True} if resumed else {"train_seconds": round(time.time() - start,
+                                                                            1)})
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["last_epoch"] = {k: v for k, v in epochs[-1].items() if isinstance(v, float)}
     record["train_command"] = " ".join(["python", *train[1:]])
-    if script == "drloc.py":   # supervised: its own top-1 on the evaluation split after the last epoch
+    # supervised: its own top-1 on the evaluation split after the last epoch
+    if script == "drloc.py":
         record["top1"] = epochs[-1]["val_acc1"]
         record["raw_output"] = {"log": (out / "log.txt").read_text().splitlines()[-1]}
         return record
-    evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20", "--num_workers", "1",
-                  "--resize", "32", "--crop", "32", "--pretrained_weights", str(out / "checkpoint.pth"), *split]
+    evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20",
+                  "--num_workers", "1",
+                  "--resize", "32", "--crop", "32", "--pretrained_weights",
+                  str(out / "checkpoint.pth"), *split]
     outputs = {"eval": provenance.run(evaluation, out / "eval.txt")}
     record["top1"] = knn_top1(outputs["eval"])
     record["eval_command"] = " ".join(["python", *evaluation[1:]])
@@ -239,7 +258,8 @@ def table(records, phase):
     """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each seed's
     top-1 minus its own checkpoint's with --random_init, per seed in seed order; a resumed run's train
     time "—"."""
-    rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) | train time (min) | "
+    rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) "
+            "| train time (min) | "
             "peak memory (MB) | logged (UTC) |", "|---|---|---|---|---|---|---|---|---|"]
     groups = {}
     for r in records:
@@ -256,14 +276,17 @@ def table(records, phase):
         minutes = f"{statistics.mean(r['train_seconds'] for r in rs) / 60:.1f}" if timed else "—"
         if "random_init_top1" not in rs[0]:   # DRLoc: supervised top-1, mean ± standard deviation
             spread = statistics.stdev(top1) if len(top1) > 1 else 0.0
-            rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | {statistics.mean(top1):.1f} "
-                        f"± {spread:.1f} | — | — | {minutes} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+            rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | "
+                        f"{statistics.mean(top1):.1f} "
+                        f"± {spread:.1f} | — | — | {minutes} | "
+                        f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |")
             continue
         random_init = [r["random_init_top1"] for r in rs]
         gains = [a - b for a, b in zip(top1, random_init)]
         per_seed = f" ({', '.join(f'{g:+.1f}' for g in gains)})" if len(gains) > 1 else ""
         rows.append(f"| {name} | {variant} | {len(rs)} | {cell(top1)} | {cell(random_init)} | "
-                    f"{cell(gains)}{per_seed} | {minutes} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+                    f"{cell(gains)}{per_seed} | {minutes} | {max(r['peak_memory_mb'] for r in rs)} "
+                    f"| {logged} |")
     return "\n".join(rows)
 
 
@@ -272,7 +295,8 @@ def table(records, phase):
 # ------------------------------------------------------------------------------------------------
 # docs/RESULTS.md: generated blocks
 # ------------------------------------------------------------------------------------------------
-RUN_PLACE_FLAGS = {"--holdout", "--seed", "--output_dir"}   # set by train_and_evaluate, not by a recipe
+# set by train_and_evaluate, not by a recipe
+RUN_PLACE_FLAGS = {"--holdout", "--seed", "--output_dir"}
 
 
 def flags_set_by(extra, flags):
@@ -305,7 +329,8 @@ def extra_flags(record):
     for action in parser._actions:
         if action.option_strings and recipe.get(action.dest) != logged.get(action.dest):
             if logged[action.dest] is None:
-                sys.exit(f"error: cannot express --{action.dest} None as a flag ({record['run']} {record['variant']})")
+                sys.exit(f"error: cannot express --{action.dest} None as a flag ({record['run']} "
+                         f"{record['variant']})")
             extra.append(f"{action.option_strings[0]} {as_flag_value(logged[action.dest])}")
     return " ".join(extra)
 
@@ -316,10 +341,12 @@ def reproducing_commands(records):
     groups = {}
     for r in records:
         extra = "" if r["run"] == "pixels" else extra_flags(r)
-        groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra), []).append(r["seed"])
+        groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra),
+                          []).append(r["seed"])
     return [f"python extras/experiments/results.py --runs {name} --phase {phase}"
             + ("" if name == "pixels" else f" --seeds {' '.join(str(s) for s in sorted(seeds))}")
-            + variant_flags(variant, extra) for (name, variant, phase, extra), seeds in groups.items()]
+            + variant_flags(variant, extra) for (name, variant, phase, extra),
+            seeds in groups.items()]
 
 
 def variant_flags(variant, extra):
@@ -359,14 +386,18 @@ def log_key(record):
 
 def relogged_table(pairs):
     """Each run logged again with its stamp (--relog): its top-1 and random-init top-1 then and now."""
-    lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init (%): then, now | "
+    lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init "
+             "(%): then, now | "
              "logged again (UTC) |", "|---" * 8 + "|"]
     for old, new in pairs:
         base = (f"{old['random_init_top1']:.2f}, {new['random_init_top1']:.2f}"
                 if "random_init_top1" in old and "random_init_top1" in new else "—")
-        lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | {new['seed']} | "
-                     f"{old['top1']:.2f}, {new['top1']:.2f} | {new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
-    return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again yet "
+        lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | "
+                     f"{new['seed']} | "
+                     f"{old['top1']:.2f}, {new['top1']:.2f} | {new['top1'] - old['top1']:+.2f} | "
+                     f"{base} | {new['utc'][:10]} |")
+    return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again "
+                                           "yet "
                                           "(`python extras/experiments/results.py --relog ...`).")
 
 
@@ -376,8 +407,10 @@ def unstamped_note(records):
     if not records:
         return "Every line of the log is stamped."
     commands = "\n".join(f"{line} --relog" for line in reproducing_commands(records))
-    return (f"{len(records)} lines of the log were written before it held a time, commit and machine; their "
-            "figures are not published here. Each of these commands runs such lines again, stamped, and the "
+    return (f"{len(records)} lines of the log were written before it held a time, commit and "
+            "machine; their "
+            "figures are not published here. Each of these commands runs such lines again, "
+            "stamped, and the "
             f"tables above then show them:\n\n```bash\n{commands}\n```")
 
 
@@ -388,7 +421,8 @@ def generated_blocks(records, ledger=None):
     uses = provenance.ledger_table(provenance.read_ledger(ledger or COMMITTED_LEDGER),
                                    {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
-    blocks = {"relogged": relogged_table(relogged), "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
+    blocks = {"relogged": relogged_table(relogged),
+              "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
     records = [r for r in records if r.get("utc")]
     for phase in ("test", "val"):
         text = table(records, phase)
@@ -416,20 +450,27 @@ def refresh(markdown, blocks, tag="results.py"):
 
 def get_args_parser():
     p = argparse.ArgumentParser("results.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
+    p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and "
+                                                                             "evaluate")
     p.add_argument("--phase", default="test", choices=["val", "test"],
-                   help="val: train on 50k, evaluate on the held-out 10k train images; test: the reported numbers")
+                   help="val: train on 50k, evaluate on the held-out 10k train images; test: the "
+                        "reported numbers")
     p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
-    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
+    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is "
+                                                       "logged")
     p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
     p.add_argument("--relog", action="store_true",
-                   help="run again the --runs and --seeds whose log lines have no timestamp (written before stamps "
-                        "existed): the stamped line replaces them in the tables, which show both figures")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"), help="output directories of the runs")
+                   help="run again the --runs and --seeds whose log lines have no timestamp "
+                        "(written before stamps "
+                        "existed): the stamped line replaces them in the tables, which show both "
+                        "figures")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"), help="output directories "
+                                                                              "of the runs")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
                    help="one JSON line per (run, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
-                   help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from --log")
+                   help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from "
+                        "--log")
     p.add_argument("--ledger", default=str(provenance.LEDGER),
                    help="every test-phase run is appended here before it starts")
     p.add_argument("--reason", default="",
@@ -444,19 +485,23 @@ def main():
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
     if flags_set_by(args.extra, RUN_PLACE_FLAGS):        # e.g. a test line trained with --holdout
-        sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, --seeds and --work_dir do")
+        sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, "
+                 "--seeds and --work_dir do")
     if args.runs:
         provenance.check_log_writable(args.log)
         if args.phase == "test":
             provenance.check_log_writable(args.ledger, what="--ledger")
     logged = {}                 # key: whether one of its lines is stamped
-    for r in provenance.read_log(args.log, LOG_KEYS) if args.runs and Path(args.log).is_file() else []:
+    for r in provenance.read_log(args.log,
+                                 LOG_KEYS) if args.runs and Path(args.log).is_file() else []:
         logged[log_key(r)] = logged.get(log_key(r), False) or bool(r.get("utc"))
     for name in args.runs:
         for seed in args.seeds if name != "pixels" else [0]:
             key = (name, args.variant, args.phase, seed)
-            if key in logged and (logged[key] or not args.relog):     # a relaunch goes on where it stopped
-                print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
+            # a relaunch goes on where it stopped
+            if key in logged and (logged[key] or not args.relog):
+                print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped",
+                      flush=True)
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
                                         args.work_dir, args.ledger, args.reason)
@@ -466,13 +511,15 @@ def main():
                 provenance.record_test_result(args.ledger, record["test_use"], record["top1"])
             baseline = f" (random init {record['random_init_top1']:.2f}%)" if "random_init_top1" in record else ""
             took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"
-            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, {took}", flush=True)
+            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 "
+                  f"{record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
         markdown = RESULTS_MD.read_text()
         refreshed = refresh(markdown, blocks)
         RESULTS_MD.write_text(refreshed)
-        print(f"{RESULTS_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
+        print(f"{RESULTS_MD.relative_to(ROOT)}: "
+              f"{'refreshed' if refreshed != markdown else 'already up to date'}")
 
 
 if __name__ == "__main__":

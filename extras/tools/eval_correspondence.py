@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 
-# Run as `python extras/tools/eval_correspondence.py` from anywhere: the modules sit one folder up.
+# Run as `python extras/tools/eval_correspondence.py` from anywhere: the modules sit two folders up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import eval_knn  # noqa: E402

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# Run as `python extras/tools/teacher_outputs.py` from anywhere: the project's modules sit one folder up.
+# Run as `python extras/tools/teacher_outputs.py` from anywhere: the project's modules sit two
+# folders up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import eval_knn  # noqa: E402

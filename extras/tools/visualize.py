@@ -2,7 +2,8 @@
 Pillow's ImageDraw for lines, dots and numbers; no plotting library):
 
     matches     two views side by side, the top-10 most similar token matches as numbered lines
-                (EsViT Fig. 6/9); written by `extras/tools/eval_correspondence.py --save_pictures DIR`
+                (EsViT Fig. 6/9); written by
+                `extras/tools/eval_correspondence.py --save_pictures DIR`
     attention   the last ViT block's attention of the CLS query, per head, and the smallest set of
                 patches holding 60% of its mass (DINO Fig. 3, EsViT Fig. 7)
     matchings   the token matchings of one training step on one image, teacher crop left, student
