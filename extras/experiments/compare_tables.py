@@ -1,5 +1,6 @@
-"""The rows of extras/experiments/compare.py's controlled comparison and the generated blocks of
-docs/COMPARISON.md, README.md and docs/RESULTS.md that are made from its log (not a script).
+"""The generated blocks of docs/COMPARISON.md, README.md and docs/RESULTS.md that are made from
+the log of extras/experiments/compare.py's controlled comparison (its rows: compare_rows.py; not a
+script).
 
 Every figure in a block is a logged value or is computed here from logged, unrounded values: a gain
 is a row's value minus that of its own network at random initialisation (same seed, same read-out,
@@ -16,67 +17,10 @@ import sys
 import provenance
 import results
 
-BACKBONES = {"vit": "--arch vit_pico --patch_size 4", "swin": "--arch swin_pico3 --fit_window true"}
-# row: (backbone, script, the method's own flags)
-METHOD_FLAGS = {
-    "vit_dino": ("vit", "dino.py", ""),
-    "vit_selfpatch": ("vit", "selfpatch.py", "--patch_out_dim 1024"),     # K_p = K
-    "vit_esvit": ("vit", "esvit.py", "--use_region_loss true"),
-    "vit_glsd": ("vit", "glsd.py", "--local_matching geometric"),
-    "swin_dino": ("swin", "dino.py", ""),
-    "swin_esvit": ("swin", "esvit.py", "--use_region_loss true"),
-    "swin_glsd_geometric": ("swin", "glsd.py", "--local_matching geometric"),
-    "swin_glsd_similarity": ("swin", "glsd.py", "--local_matching similarity"),
-}
-# random-init row: the row whose network (at its first step) it evaluates
-RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino",
-               "vit_selfpatch_random": "vit_selfpatch"}
-ROWS = [*METHOD_FLAGS, *RANDOM_ROWS, "pixels"]
-# column: {backbone: its row}; a backbone without the method shows n/a
-SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"},
-                   "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
-                   "SelfPatch": {"vit": "vit_selfpatch"},
-                   "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
-                   "GLSD similarity": {"swin": "swin_glsd_similarity"}}
+from compare_rows import (BACKBONES, CURVE_FIELDS, FIELDS, METHOD_FLAGS,  # noqa: F401
+                          RANDOM_ROWS, ROWS, SUMMARY_COLUMNS, always, evaluated, trained)
+
 cell = results.cell
-
-
-def trained(r):
-    return r.get("row") in METHOD_FLAGS
-
-
-def evaluated(r):
-    return r.get("row") != "pixels"
-
-
-def always(r):
-    return True
-
-
-# every field of a log line that the tables and the curves read: (key, kind, for which lines,
-# optional); provenance.check_fields refuses a line without them in one line
-FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
-          ("variant", "text", always, False), ("phase", {"val", "test"}, always, False),
-          ("seed", "integer", always, False), ("steps", "integer", always, False),
-          ("knn_top1", "number", always, False), ("utc", "text", always, True),
-          ("withdrawn", "text", always, True),
-          *((f"correspondence.{p}.{k}", "number", evaluated, False)
-            for p, k in (("esvit", "top10_accuracy"), ("esvit", "accuracy"),
-                         ("overlap", "accuracy"))),
-          ("random_init", "true", lambda r: r.get("row") in RANDOM_ROWS, False),
-          ("linear_top1", "number or null", evaluated, True),
-          ("commands", "list", lambda r: trained(r) and "network" not in r, False),
-          ("network", "object", evaluated, True), ("start_of", "text", evaluated, True),
-          ("train_seconds", "number", evaluated, True),
-          ("peak_memory_mb", "number", evaluated, True),
-          ("teacher_entropy", "number", evaluated, True),
-          ("mean_target_entropy", "number", evaluated, True),
-          ("ln_k", "number", lambda r: "teacher_entropy" in r or "mean_target_entropy" in r, False),
-          ("cpu_seconds", "object", evaluated, True), ("curve", "list", trained, True),
-          ("machine", "object", lambda r: "utc" in r, True), ("extra", "text", always, True),
-          ("knn_top1_by_k", "object", always, True)]
-CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", always, False),
-                ("overlap_accuracy", "number", always, False)]
 
 
 def read_checked(path, what="--log"):
@@ -102,8 +46,8 @@ def log_key(record):
 
 
 def current(records):
-    """(the log's lines the tables show, [(a line without a timestamp, its row run again and stamped)]):
-    `compare.py --relog` runs the rows of such lines again with the same command."""
+    """(the log's lines the tables show, [(a line without a timestamp, its row run again and
+    stamped)]): `compare.py --relog` runs the rows of such lines again with the same command."""
     kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
     return provenance.superseded(kept, log_key)
 
@@ -131,16 +75,15 @@ def withdrawn_table(records):
             linear = f"{r['linear_top1']:.2f}" if r.get("linear_top1") is not None else "—"
             lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['variant']} | "
                          f"{r['seed']} | {r['steps']} | {r['knn_top1']:.2f} | {linear} | "
-                         f"{provenance.when(r)} | "
-                         f"{r['withdrawn']} |")
+                         f"{provenance.when(r)} | {r['withdrawn']} |")
     return "\n".join(lines) if len(lines) > 2 else "No line of the log is withdrawn."
 
 
 def relogged_table(pairs):
-    """Each line logged again with its stamp: its figures then and now, now minus then, and the precision
-    each trained in (a random-init row trains nothing: —)."""
-    lines = ["| row | data | phase | variant | seed | 20-NN top-1 (%): then, now | now minus then | "
-             "linear top-1 (%): then, now | now minus then | precision: then, now | logged again "
+    """Each line logged again with its stamp: its figures then and now, now minus then, and the
+    precision each trained in (a random-init row trains nothing: —)."""
+    lines = ["| row | data | phase | variant | seed | 20-NN top-1 (%): then, now | now minus then "
+             "| linear top-1 (%): then, now | now minus then | precision: then, now | logged again "
              "(UTC) |",
              "|---" * 11 + "|"]
     for old, new in pairs:
@@ -149,13 +92,14 @@ def relogged_table(pairs):
             then, now = old.get(key), new.get(key)
             cells += [f"{then:.2f}, {now:.2f}",
                       f"{now - then:+.2f}"] if None not in (then, now) else ["—", "—"]
-        precision = "—" if new.get("random_init") else f"{old.get('precision', 'not logged')}, {new.get('precision')}"
+        precision = ("—" if new.get("random_init")
+                     else f"{old.get('precision', 'not logged')}, {new.get('precision')}")
         lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | "
                      f"{new['seed']} | "
                      + " | ".join(cells) + f" | {precision} | {logged_dates([new])} |")
     return "\n".join(lines) if pairs else ("No line logged without a timestamp has been run again "
-                                           "yet "
-                                          "(`python extras/experiments/compare.py --relog ...`).")
+                                           "yet (`python extras/experiments/compare.py --relog "
+                                           "...`).")
 
 
 def network_of(record, records):
@@ -169,8 +113,7 @@ def network_of(record, records):
         source = next((r for r in records if log_key(r) == key), None)
         if source is None:
             sys.exit(f"error: {record['row']} seed {record['seed']} logs no network and its source "
-                     "row "
-                     f"{key[1]} is not logged: which network it evaluated is unknown")
+                     f"row {key[1]} is not logged: which network it evaluated is unknown")
         return network_of(source, records)
     return json.loads(provenance.command_signature(record["commands"][0]))
 
@@ -196,10 +139,9 @@ def gains(rs, base, records, key="knn_top1"):
         mine, theirs = network_of(r, records), network_of(b, records)
         if mine != theirs:
             sys.exit(f"error: {r['row']} ({r['variant']}, seed {r['seed']}) cannot be paired with "
-                     f"{b['row']}: another "
-                     f"network ({mine['arch']} {mine['image_token']} {mine['keys_sha256']} vs "
-                     f"{theirs['arch']} "
-                     f"{theirs['image_token']} {theirs['keys_sha256']}); log its own random-init row")
+                     f"{b['row']}: another network ({mine['arch']} {mine['image_token']} "
+                     f"{mine['keys_sha256']} vs {theirs['arch']} {theirs['image_token']} "
+                     f"{theirs['keys_sha256']}); log its own random-init row")
         out.append(r[key] - b[key])
     return out
 
@@ -220,8 +162,8 @@ def validated(records, row, variant):
 
 
 def train_minutes(rs):
-    """The seeds' train times: mean ± half-range, or each seed's with its thread count where the seeds
-    trained on different numbers of threads (a mean of the two would describe neither)."""
+    """The seeds' train times: mean ± half-range, or each seed's with its thread count where the
+    seeds trained on different numbers of threads (a mean of the two would describe neither)."""
     if not all("train_seconds" in r for r in rs):
         return "—"
     threads = [r.get("machine", {}).get("threads") for r in rs]
@@ -232,8 +174,8 @@ def train_minutes(rs):
 
 
 def comparison_table(records, data, phase):
-    """The markdown table of one comparison: a line per (variant, row) in the order the log first holds
-    the variants and ROWS' order within one."""
+    """The markdown table of one comparison: a line per (variant, row) in the order the log first
+    holds the variants and ROWS' order within one."""
     lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | linear top-1 (%) | "
              "linear gain | "
              "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln "
@@ -250,26 +192,27 @@ def comparison_table(records, data, phase):
             if not rs:
                 continue
             if row == "pixels":
-                lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |" + " — |" * 9 + f" {logged_dates(rs)} |")
+                lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |" + " — |" * 9
+                             + f" {logged_dates(rs)} |")
                 continue
             steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
-            shown = variant if phase == "val" or row in RANDOM_ROWS or validated(records, row,
-                                                                                 variant) \
-                else f"{variant} (test only)"
+            chosen = phase == "val" or row in RANDOM_ROWS or validated(records, row, variant)
+            shown = variant if chosen else f"{variant} (test only)"
             knn_gain, linear_gain = ((None, None) if row in RANDOM_ROWS else
-                                     (gains(rs, base, records), gains(rs, base, records,
-                                                                      "linear_top1")))
+                                     (gains(rs, base, records),
+                                      gains(rs, base, records, "linear_top1")))
             corr = [r["correspondence"] for r in rs]
-            flip = f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / {cell([c['esvit']['accuracy'] for c in corr])}"
+            flip = (f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / "
+                    f"{cell([c['esvit']['accuracy'] for c in corr])}")
             overlap = cell([c["overlap"]["accuracy"] for c in corr])
             entropy = [cell([r[k] / r["ln_k"] for r in rs], 2) if all(k in r for r in rs) else "—"
                        for k in ("teacher_entropy", "mean_target_entropy")]
             minutes = train_minutes(rs)
-            memory = str(max(r["peak_memory_mb"] for r in rs)) if all("peak_memory_mb" in r for r in rs) else "—"
+            memory = (str(max(r["peak_memory_mb"] for r in rs))
+                      if all("peak_memory_mb" in r for r in rs) else "—")
             lines.append(f"| {row} | {shown} | {steps} | {len(rs)} | "
-                         f"{cell([r['knn_top1'] for r in rs])} | "
-                         f"{signed(knn_gain)} | {cell([r.get('linear_top1') for r in rs])} | "
-                         f"{signed(linear_gain)} | "
+                         f"{cell([r['knn_top1'] for r in rs])} | {signed(knn_gain)} | "
+                         f"{cell([r.get('linear_top1') for r in rs])} | {signed(linear_gain)} | "
                          f"{flip} | {overlap} | {entropy[0]} | {entropy[1]} | {minutes} | {memory} "
                          f"| {logged_dates(rs)} |")
     if len(lines) == 2:
@@ -298,12 +241,13 @@ def summary_table(records, data="fashion_mnist", phase="test", variant="recipe")
             rs = [r for r in chosen if r["row"] == rows[backbone]]
             gain = gains(rs, base, records) if rs else None
             own = baseline_row(rows[backbone])
-            note = (f" over its own random init "
+            note = (" over its own random init "
                     f"{cell([base[(own, r['seed'])]['knn_top1'] for r in rs])}"
                     if gain and own != f"{backbone}_random" else "")
             untried = "" if validated(records, rows[backbone],
                                       variant) else ", not run on validation"
-            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({signed(gain)}{note}{untried})" if gain else "—")
+            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({signed(gain)}{note}{untried})"
+                         if gain else "—")
         lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
     if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
@@ -316,7 +260,8 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
     linear_top1; None where a value is missing."""
     chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant)
               and r["row"] in METHOD_FLAGS]
-    base, found = baselines(records, data, phase), {}
+    base = baselines(records, data, phase)
+    found = {}
     for row, (backbone, _, _) in METHOD_FLAGS.items():
         dino = {r["seed"]: r for r in chosen if r["row"] == f"{backbone}_dino"}
         rs = sorted((r for r in chosen if r["row"] == row and r["seed"] in dino),
@@ -325,8 +270,8 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
             continue
         found[row] = (len(rs), {})
         for key in ("knn_top1", "linear_top1"):
-            mine, theirs = gains(rs, base, records, key), gains([dino[r["seed"]] for r in rs], base,
-                                                                records, key)
+            mine = gains(rs, base, records, key)
+            theirs = gains([dino[r["seed"]] for r in rs], base, records, key)
             found[row][1][key] = (mine, [a - b for a,
                                          b in zip(mine, theirs)] if mine and theirs else None)
     return found
@@ -336,25 +281,29 @@ def differences_table(records, data="fashion_mnist", runs=(("test", "recipe"),))
     """What a method adds over DINO on the same backbone, 20-NN and linear probe, seed by seed, for
     each (phase, variant) of `runs` (a phase and a variant column when there are several)."""
     several = len(runs) > 1
-    lines = ["| backbone | row | " + ("phase | variant | " if several else "") + "seeds | 20-NN gain | minus DINO's "
-             "(seed 0, 1, ...) | linear gain | minus DINO's (seed 0, 1, ...) |",
+    lines = ["| backbone | row | " + ("phase | variant | " if several else "")
+             + "seeds | 20-NN gain | minus DINO's (seed 0, 1, ...) | linear gain | minus DINO's "
+             "(seed 0, 1, ...) |",
              "|---" * (7 + 2 * several) + "|"]
     for phase, variant in runs:
         for row, (seeds, by_key) in differences(records, data, phase, variant).items():
             cells = []
             for mine, diffs in by_key.values():
-                cells += [signed(mine), signed(diffs) + (f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else "")]
-            marked = variant if phase == "val" or validated(records, row,
-                                                            variant) else f"{variant} (test only)"
+                each = f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else ""
+                cells += [signed(mine), signed(diffs) + each]
+            chosen = phase == "val" or validated(records, row, variant)
+            marked = variant if chosen else f"{variant} (test only)"
             run = f"{phase} | {marked} | " if several else ""
             lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {run}{seeds} "
                          "| "
                          + " | ".join(cells) + " |")
-    return "\n".join(lines) if len(lines) > 2 else f"No method row with its DINO row on {data} is logged yet."
+    return ("\n".join(lines) if len(lines) > 2
+            else f"No method row with its DINO row on {data} is logged yet.")
 
 
 def long_runs(records, data="fashion_mnist"):
-    """(phase, variant) of every comparison run longer than the shared 400 steps, validation first."""
+    """(phase, variant) of every comparison run longer than the shared 400 steps, validation
+    first."""
     return sorted({(r["phase"],
                     r["variant"]) for r in records if r["data"] == data and r["steps"] > 400},
                   key=lambda run: (run[0] != "val", run[1]))
@@ -368,85 +317,90 @@ def added_table(records):
     lines = ["| over DINO: 20-NN / linear | " + " | ".join(columns) + " |",
              "|---|" + "---|" * len(columns)]
     for backbone, flags in BACKBONES.items():
-        cells = [" / ".join(signed(found[rows[backbone]][1][k][1]) for k in ("knn_top1",
-                                                                             "linear_top1"))
-                 if backbone in rows and rows[backbone] in found else "n/a" if backbone not in rows else "—"
+        cells = [" / ".join(signed(found[rows[backbone]][1][k][1])
+                            for k in ("knn_top1", "linear_top1"))
+                 if backbone in rows and rows[backbone] in found
+                 else "n/a" if backbone not in rows else "—"
                  for rows in (SUMMARY_COLUMNS[c] for c in columns)]
         lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def long_budget_table(records, data="fashion_mnist"):
-    """The rows trained longer than the shared budget's 400 steps, validation first: 20-NN and its gain
-    over the row's own random init, and the 20-NN minus the raw pixels' of the same split (the same
-    k-NN on the pixels of the same 32 px evaluation transform), seed by seed."""
+    """The rows trained longer than the shared budget's 400 steps, validation first: 20-NN and its
+    gain over the row's own random init, and the 20-NN minus the raw pixels' of the same split (the
+    same k-NN on the pixels of the same 32 px evaluation transform), seed by seed."""
     lines = ["| row | phase | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | minus raw "
-             "pixels (seed 0, 1, ...) | "
-             "linear top-1 (%) | logged (UTC) |", "|---" * 10 + "|"]
+             "pixels (seed 0, 1, ...) | linear top-1 (%) | logged (UTC) |", "|---" * 10 + "|"]
     for phase in ("val", "test"):
-        base, groups = baselines(records, data, phase), {}
-        pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"],
-                                                          r["row"]) == (data, phase,
-                                                                        "pixels")), None)
+        base = baselines(records, data, phase)
+        groups = {}
+        pixels = next((r["knn_top1"] for r in records
+                       if (r["data"], r["phase"], r["row"]) == (data, phase, "pixels")), None)
         for r in records:
-            if (r["data"], r["phase"]) == (data,
-                                           phase) and r["row"] in METHOD_FLAGS and r["steps"] > 400:
+            if ((r["data"], r["phase"]) == (data, phase) and r["row"] in METHOD_FLAGS
+                    and r["steps"] > 400):
                 groups.setdefault((r["row"], r["variant"], r["steps"]), []).append(r)
-        for (row, variant, steps), rs in sorted(groups.items(), key=lambda item: (item[0][2],
-                                                                                  item[0][0])):
+        for (row, variant, steps), rs in sorted(groups.items(),
+                                                key=lambda item: (item[0][2], item[0][0])):
             rs = sorted(rs, key=lambda r: r["seed"])
             below = [r["knn_top1"] - pixels for r in rs] if pixels is not None else None
-            shown = variant if phase == "val" or validated(records, row,
-                                                           variant) else f"{variant} (test only)"
+            chosen = phase == "val" or validated(records, row, variant)
+            shown = variant if chosen else f"{variant} (test only)"
             lines.append(f"| {row} | {phase} | {shown} | {steps} | {len(rs)} | "
                          f"{cell([r['knn_top1'] for r in rs])} | "
                          f"{signed(gains(rs, base, records))} | "
-                         + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})" if below else "—")
+                         + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})"
+                            if below else "—")
                          + f" | {cell([r.get('linear_top1') for r in rs])} | {logged_dates(rs)} |")
-    return "\n".join(lines) if len(lines) > 2 else f"No row longer than 400 steps on {data} is logged yet."
+    return ("\n".join(lines) if len(lines) > 2
+            else f"No row longer than 400 steps on {data} is logged yet.")
 
 
 def long_glance_table(records, data="fashion_mnist"):
     """The README's glance at the longer budget: each row trained past 400 steps on both splits (how
     its budget was reached: COMPARISON.md and the test ledger), with its test 20-NN, that minus
     the test split's raw pixels, and the train time of every seed that logged one."""
-    pixels = next((r["knn_top1"] for r in records if (r["data"], r["phase"],
-                                                      r["row"]) == (data, "test", "pixels")), None)
+    pixels = next((r["knn_top1"] for r in records
+                   if (r["data"], r["phase"], r["row"]) == (data, "test", "pixels")), None)
     method = {row: name for name, rows in SUMMARY_COLUMNS.items() for row in rows.values()}
     groups = {}
     for r in records:
         if r["data"] == data and r["row"] in METHOD_FLAGS and r["steps"] > 400:
-            groups.setdefault((r["row"], r["variant"], r["steps"]), {}).setdefault(r["phase"],
-                                                                                   []).append(r)
+            by_phase = groups.setdefault((r["row"], r["variant"], r["steps"]), {})
+            by_phase.setdefault(r["phase"], []).append(r)
     lines = ["| backbone | method | steps | seeds: validation, test | test 20-NN top-1 (%) | minus "
              "raw pixels (seed 0, 1, ...) "
              "| train time (min): split, seed, threads |", "|---" * 7 + "|"]
-    for (row, variant, steps), split in sorted(groups.items(),
-                                               key=lambda g: (METHOD_FLAGS[g[0][0]][0] != "swin",
-                                                              g[0][2], g[0][0])):
+
+    def order(group):
+        (row, _, steps), _ = group
+        return METHOD_FLAGS[row][0] != "swin", steps, row
+
+    for (row, variant, steps), split in sorted(groups.items(), key=order):
         if not {"val", "test"} <= set(split):
             continue
         val, test = (sorted(split[phase], key=lambda r: r["seed"]) for phase in ("val", "test"))
         below = [r["knn_top1"] - pixels for r in test] if pixels is not None else None
-        timed = [(r["train_seconds"] / 60, r["phase"], r["seed"], r.get("machine",
-                                                                        {}).get("threads") or "?")
+        timed = [(r["train_seconds"] / 60, r["phase"], r["seed"],
+                  r.get("machine", {}).get("threads") or "?")
                  for r in val + test if "train_seconds" in r]      # a resumed training logs no time
         times = ", ".join(f"{m:.1f} ({phase} {seed}, {t} thread{'' if t == 1 else 's'})" for m,
                           phase, seed, t in timed)
         lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {method[row]} | {steps} "
-                     f"| {len(val)}, {len(test)} | "
-                     f"{cell([r['knn_top1'] for r in test])} | "
-                     + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})" if below else "—")
+                     f"| {len(val)}, {len(test)} | {cell([r['knn_top1'] for r in test])} | "
+                     + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})"
+                        if below else "—")
                      + f" | {times or '—'} |")
-    return "\n".join(lines) if len(lines) > 2 else f"No row longer than 400 steps on {data} has run on both splits yet."
+    return ("\n".join(lines) if len(lines) > 2
+            else f"No row longer than 400 steps on {data} has run on both splits yet.")
 
 
 def costs_table(records, data="fashion_mnist", phase="test"):
     """CPU seconds of every command of a row (cpu_seconds), mean over its seeds: training per step
     (start-up included), each evaluation, each learning-curve point."""
     lines = ["| row | variant | seeds | training, per step | 20-NN | linear probe | correspondence "
-             "+ collapse | "
-             "each learning-curve point | logged (UTC) |", "|---" * 9 + "|"]
+             "+ collapse | each learning-curve point | logged (UTC) |", "|---" * 9 + "|"]
     groups = {}
     for r in records:
         if (r["data"], r["phase"]) == (data, phase) and "cpu_seconds" in r:
@@ -458,29 +412,33 @@ def costs_table(records, data="fashion_mnist", phase="test"):
 
     for (row, variant), rs in groups.items():
         cpu = [r["cpu_seconds"] for r in rs]
-        columns = [mean(rs, lambda r: r["cpu_seconds"]["train"] / r["steps"] if "train" in r["cpu_seconds"] else None),
+        columns = [mean(rs, lambda r: r["cpu_seconds"]["train"] / r["steps"]
+                        if "train" in r["cpu_seconds"] else None),
                    mean(rs, lambda r: r["cpu_seconds"].get("knn")),
                    mean(rs, lambda r: r["cpu_seconds"].get("linear")),
-                   mean(rs, lambda r: r["cpu_seconds"].get("correspondence",
-                                                           0) + r["cpu_seconds"].get("teacher", 0)),
+                   mean(rs, lambda r: r["cpu_seconds"].get("correspondence", 0)
+                        + r["cpu_seconds"].get("teacher", 0)),
                    mean([r for r in rs if r.get("curve")],
-                        lambda r: r["cpu_seconds"]["curve"] / len(r["curve"]) if "curve" in r["cpu_seconds"] else None)
+                        lambda r: r["cpu_seconds"]["curve"] / len(r["curve"])
+                        if "curve" in r["cpu_seconds"] else None)
                    if any(r.get("curve") for r in rs) else None]
         text = [f"{columns[0]:.2f} s" if columns[0] is not None else "—",
                 *(f"{c:.0f} s" if c is not None else "—" for c in columns[1:])]
-        lines.append(f"| `{row}` | {variant} | {len(cpu)} | " + " | ".join(text) + f" | {logged_dates(rs)} |")
-    return "\n".join(lines) if len(lines) > 2 else f"No {phase}-phase row on {data} logs its CPU seconds yet."
+        lines.append(f"| `{row}` | {variant} | {len(cpu)} | " + " | ".join(text)
+                     + f" | {logged_dates(rs)} |")
+    return ("\n".join(lines) if len(lines) > 2
+            else f"No {phase}-phase row on {data} logs its CPU seconds yet.")
 
 
 def reproducing_commands(records, curve_every_default, curve_seeds_default):
-    """One `python extras/experiments/compare.py ...` line per (data, phase, variant, steps, extra), rows and seeds together."""
+    """One `python extras/experiments/compare.py ...` line per (data, phase, variant, steps,
+    extra), rows and seeds together."""
     groups = {}
     for r in records:
         skip_linear = r["row"] != "pixels" and "linear_top1" not in r
         key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
-        rows, seeds, trained_seeds, curve_seeds, curve_every = groups.setdefault(key,
-                                                                                 ([], set(), set(),
-                                                                                  set(), set()))
+        group = groups.setdefault(key, ([], set(), set(), set(), set()))
+        rows, seeds, trained_seeds, curve_seeds, curve_every = group
         if r["row"] not in rows:
             rows.append(r["row"])
         seeds.add(r["seed"])
@@ -490,11 +448,11 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
             curve_seeds.add(r["seed"])
             curve_every.add(r["curve"][0]["step"])
     lines = []
-    for (data, phase, variant, steps, extra, skip_linear), (rows, seeds, trained_seeds, curve_seeds,
-                                                            curve_every) in groups.items():
-        line = (f"python extras/experiments/compare.py --data {data} --phase {phase} --steps "
-                f"{steps} "
-                f"--seeds {' '.join(map(str, sorted(seeds)))} --rows {' '.join(rows)}")
+    for key, (rows, seeds, trained_seeds, curve_seeds, curve_every) in groups.items():
+        data, phase, variant, steps, extra, skip_linear = key
+        line = (f"python extras/experiments/compare.py --data {data} --phase {phase} "
+                f"--steps {steps} --seeds {' '.join(map(str, sorted(seeds)))} "
+                f"--rows {' '.join(rows)}")
         if curve_every and curve_every != {curve_every_default}:
             line += f" --curve_every {min(curve_every)}"
         if curve_seeds != trained_seeds & set(curve_seeds_default):
@@ -503,40 +461,3 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
             line += " --skip_linear"
         lines.append(line + results.variant_flags(variant, extra))
     return lines
-
-
-# the learning curves' two metrics (extras/tools/visualize.py draws them): log key, axis label
-CURVES = (("knn_top1", "20-NN top-1 (%)"),
-          ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
-
-
-def curve_series(records, data, phase, variant="recipe"):
-    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of
-    the trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
-    checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
-    the initialisation depends on the network and the seed only), then the kept checkpoints, then
-    the final one; mean and range over those seeds at each step."""
-    def point(step, record):
-        overlap = record["correspondence"]["overlap"]["accuracy"]
-        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": overlap}
-
-    base = baselines(records, data, phase)
-    runs = {}
-    for r in records:
-        if (r["data"], r["phase"], r["variant"]) != (data, phase, variant) or not r.get("curve"):
-            continue
-        start = base.get((baseline_row(r["row"]), r["seed"]))
-        points = ([point(0, start)] if start else []) + [
-            (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
-        runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
-    series = {}
-    for row, by_seed in runs.items():
-        # the steps every drawn seed has
-        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))
-
-        def spread(step, k):
-            values = [run[step][k] for run in by_seed.values()]
-            return statistics.mean(values), min(values), max(values)
-        series[row] = {"seeds": sorted(by_seed), "points": [
-            (step, {k: spread(step, k) for k, _ in CURVES}) for step in steps]}
-    return series

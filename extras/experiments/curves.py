@@ -8,6 +8,7 @@ from in a PNG text chunk (tests/test_pictures.py compares it with a redraw's).
 """
 import argparse
 import json
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -22,10 +23,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import compare_tables  # noqa: E402
 
-CURVES = compare_tables.CURVES
-curve_series = compare_tables.curve_series
 # the colour of a row that ROW_STYLES does not name
 OTHER_ROW = (230, 25, 75)
+
+
+# the learning curves' two metrics: log key, axis label
+CURVES = (("knn_top1", "20-NN top-1 (%)"),
+          ("overlap_accuracy", "overlap: all-token correspondence accuracy (%)"))
+
+
+def curve_series(records, data, phase, variant="recipe"):
+    """{row: {"seeds": the seeds drawn, "points": [(step, {metric: (mean, low, high)}), ...]}} of
+    the trained rows of one comparison. A row is drawn over the seeds that logged a curve (its kept
+    checkpoints): step 0 is the random-init record of the row's own network and seed (any variant:
+    the initialisation depends on the network and the seed only), then the kept checkpoints, then
+    the final one; mean and range over those seeds at each step."""
+    def point(step, record):
+        overlap = record["correspondence"]["overlap"]["accuracy"]
+        return step, {"knn_top1": record["knn_top1"], "overlap_accuracy": overlap}
+
+    base = compare_tables.baselines(records, data, phase)
+    runs = {}
+    for r in records:
+        if (r["data"], r["phase"], r["variant"]) != (data, phase, variant) or not r.get("curve"):
+            continue
+        start = base.get((compare_tables.baseline_row(r["row"]), r["seed"]))
+        points = ([point(0, start)] if start else []) + [
+            (c["step"], {k: c[k] for k, _ in CURVES}) for c in r["curve"]] + [point(r["steps"], r)]
+        runs.setdefault(r["row"], {})[r["seed"]] = dict(points)
+    series = {}
+    for row, by_seed in runs.items():
+        # the steps every drawn seed has
+        steps = sorted(set.intersection(*(set(run) for run in by_seed.values())))
+
+        def spread(step, k):
+            values = [run[step][k] for run in by_seed.values()]
+            return statistics.mean(values), min(values), max(values)
+        series[row] = {"seeds": sorted(by_seed), "points": [
+            (step, {k: spread(step, k) for k, _ in CURVES}) for step in steps]}
+    return series
 
 
 # one colour, dash pattern (None: solid) and marker per row, the same in every picture; a row
@@ -52,8 +88,8 @@ def curves_title(series, data, phase, variant):
     else:
         what = ("per row, the seeds named in the legend (more than one: their mean, bars: their "
                 "range)")
-    return (f"{data}, {phase} phase, {variant}: {what}; "
-            "step 0 = the row's own network at random init")
+    return (f"{data}, {phase} phase, {variant}: {what}; step 0 = the row's own network at random "
+            "init")
 
 
 def draw_marker(draw, shape, x, y, colour, r=3):

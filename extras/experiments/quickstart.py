@@ -1,14 +1,18 @@
 """The README's quick start, run and logged: DINO on vit_pico (400 steps), then its teacher and the
 same network at random initialisation by 20-NN. One JSON line per run in --log
 (docs/data/quickstart.jsonl) with its commands, the figures' lines of their raw output, UTC time,
-commit and machine (extras/experiments/provenance.py); `--table` writes the generated blocks of README.md and
-docs/COMPARISON.md from the log. Not collected by pytest.
+commit and machine (extras/experiments/provenance.py); `--table` writes the generated blocks of
+README.md and docs/COMPARISON.md from the log. Not collected by pytest.
 
-    python extras/experiments/quickstart.py --data fashion_mnist                    # the README's command, test split
-    python extras/experiments/quickstart.py --data fashion_mnist_8k                 # the same 400 steps on 8000 images
-    python extras/experiments/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k   # that checkpoint, 8k's bank
-    python extras/experiments/quickstart.py --phase val --variant lr8 --extra "--lr 0.008" --steps 250   # a variant
-    python extras/experiments/quickstart.py --relog                                 # the lines without a stamp, again
+    # the README's command, test split; the same 400 steps on 8000 images
+    python extras/experiments/quickstart.py --data fashion_mnist
+    python extras/experiments/quickstart.py --data fashion_mnist_8k
+    # that checkpoint, 8k's bank
+    python extras/experiments/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k
+    # a variant
+    python extras/experiments/quickstart.py --phase val --variant lr8 --steps 250 \\
+        --extra "--lr 0.008"
+    python extras/experiments/quickstart.py --relog    # the lines without a stamp, again
     python extras/experiments/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
@@ -32,12 +36,11 @@ import provenance  # noqa: E402
 import results  # noqa: E402
 
 TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_crop_size 16 "
-         "--local_crops_number 4 "
-         "--out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
-         "--batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 --weight_decay_end 0.04 "
-         "--freeze_last_layer 0 "
-         "--momentum_teacher 0.99 --drop_path_rate 0 --epochs {epochs} --max_steps_per_epoch 50 "
-         "--warmup_epochs {warmup:g} --batched_crops true --num_workers 0")
+         "--local_crops_number 4 --out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 "
+         "--norm_last_layer false --batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 "
+         "--weight_decay_end 0.04 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
+         "--epochs {epochs} --max_steps_per_epoch 50 --warmup_epochs {warmup:g} "
+         "--batched_crops true --num_workers 0")
 EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
 TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
 LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
@@ -74,8 +77,7 @@ def run(args):
     resumed = (out / "checkpoint.pth").exists() and not args.eval_data
     if resumed and not args.relog:                  # it would log a training that did not run
         raise SystemExit(f"error: {out} already holds a trained run; train again with another "
-                         "--work_dir or "
-                         f"--variant, or evaluate it with --eval_data")
+                         "--work_dir or --variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
     epochs = args.steps // 50
     train = ["dino.py", *TRAIN.format(data=" ".join(data), epochs=epochs,
@@ -115,7 +117,8 @@ def run(args):
 
 
 def unstamped(records):
-    """The arguments that run again each (data, trained on, phase, variant) whose lines all lack a stamp."""
+    """The arguments that run again each (data, trained on, phase, variant) whose lines all lack a
+    stamp."""
     stamped = {key(r) for r in records if r.get("utc")}
     todo = {key(r): r for r in records if key(r) not in stamped}
     return [{"data": r.get("trained_on", r["data"]),
@@ -129,7 +132,8 @@ def key(r):
 
 
 def latest(records):
-    """The last line logged per (data, trained on, phase, variant), in the order the log first holds them."""
+    """The last line logged per (data, trained on, phase, variant), in the order the log first holds
+    them."""
     chosen = {}
     for r in records:
         chosen[key(r)] = r
@@ -141,35 +145,33 @@ def gain(r):
 
 
 def superseded_notes(records, phase, name):
-    """One line per `phase` line that a later one of the same key replaced: its figures then and now."""
+    """One line per `phase` line that a later one of the same key replaced: its figures then and
+    now."""
     shown = {key(r): r for r in latest(records)}
     notes = []
     for r in records:
         now = shown[key(r)]
         if r["phase"] == phase and r is not now:
-            change = (now["knn_top1"] - now["random_init_knn_top1"]) - (r["knn_top1"] - r["random_init_knn_top1"])
+            change = ((now["knn_top1"] - now["random_init_knn_top1"])
+                      - (r["knn_top1"] - r["random_init_knn_top1"]))
             notes.append(f"\nSuperseded: {name(r)}, {r['knn_top1']:.2f} against "
-                         f"{r['random_init_knn_top1']:.2f} "
-                         f"({provenance.when(r)}): "
+                         f"{r['random_init_knn_top1']:.2f} ({provenance.when(r)}): "
                          f"{r.get('note') or 'a later line has the same key'}; the line shown: "
                          f"{now['knn_top1']:.2f} against {now['random_init_knn_top1']:.2f}, gain "
-                         "now minus then "
-                         f"{change:+.2f}")
+                         f"now minus then {change:+.2f}")
     return notes
 
 
 def variants_table(records):
     lines = ["| variant | steps | flags added | 20-NN top-1 (%) | random init (%) | gain | h / ln "
-             "K (last epoch) | "
-             "logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
+             "K (last epoch) | logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
     for r in latest(records):
         if r["phase"] == "val":
             entropy = (f"{r['teacher_entropy_last_epoch'] / r['ln_k']:.2f}" if "ln_k" in r and
                        r.get("teacher_entropy_last_epoch") is not None else "—")
             lines.append(f"| {r['variant']} | {r['steps']} | `{r.get('extra') or '—'}` | "
-                         f"{r['knn_top1']:.2f} | "
-                         f"{r['random_init_knn_top1']:.2f} | {gain(r)} | {entropy} | "
-                         f"{provenance.when(r)} |")
+                         f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
+                         f"{entropy} | {provenance.when(r)} |")
     return "\n".join(lines + superseded_notes(records, "val", lambda r: f"variant {r['variant']}"))
 
 
@@ -181,10 +183,8 @@ def datasets_table(records):
     for r in latest(records):
         if r["phase"] == "test":
             lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | "
-                         f"{r['knn_top1']:.2f} | "
-                         f"{r['random_init_knn_top1']:.2f} | {gain(r)} | "
-                         f"{'yes' if 'raw_output' in r else 'no'} | "
-                         f"{provenance.when(r)} |")
+                         f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
+                         f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} |")
     name = lambda r: f"{r['data']} trained on {r.get('trained_on', r['data'])}"    # noqa: E731
     return "\n".join(lines + superseded_notes(records, "test", name))
 
@@ -204,8 +204,7 @@ def result_line(records):
              f"{r.get('precision')}, {r['utc']}" if isinstance(machine, dict) else
              f"{machine or 'machine not logged'}; no timestamp")
     return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random "
-            "initialisation "
-            f"({gain(r)}), {minutes} of training ({where}).")
+            f"initialisation ({gain(r)}), {minutes} of training ({where}).")
 
 
 def generated_blocks(records):
@@ -215,8 +214,8 @@ def generated_blocks(records):
 
 def get_args_parser():
     p = argparse.ArgumentParser("quickstart.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="fashion_mnist", choices=list(compare.DATA), help="the data "
-                                                                                       "trained on")
+    p.add_argument("--data", default="fashion_mnist", choices=list(compare.DATA),
+                   help="the data trained on")
     p.add_argument("--eval_data", default=None, choices=list(compare.DATA),
                    help="the data of the k-NN (default --data)")
     p.add_argument("--phase", default="test", choices=["val", "test"])
@@ -230,9 +229,8 @@ def get_args_parser():
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
     p.add_argument("--relog", action="store_true",
                    help="run again, with their own data, phase, steps, variant and flags, the "
-                        "lines of --log that "
-                        "have no timestamp (written before stamps existed); the stamped line then "
-                        "replaces them")
+                        "lines of --log that have no timestamp (written before stamps existed); "
+                        "the stamped line then replaces them")
     p.add_argument("--table", action="store_true",
                    help="run nothing: rewrite the generated blocks from --log")
     p.add_argument("--ledger", default=str(provenance.LEDGER),
@@ -271,8 +269,7 @@ def main():
         if record.get("test_use"):
             provenance.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: "
-              "20-NN "
-              f"{record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
+              f"20-NN {record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
               flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log))
