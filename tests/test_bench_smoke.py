@@ -1,4 +1,4 @@
-"""extras/bench.py keeps working: two methods for one warm-up and one counted step of their own
+"""extras/perf/bench.py keeps working: two methods for one warm-up and one counted step of their own
 train_one_epoch, and the quick start's side-by-side comparison on a few synthetic images; every
 number positive, the tables printed."""
 import math
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras" / "perf"))
 import bench  # noqa: E402
 
 

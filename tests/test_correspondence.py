@@ -1,4 +1,4 @@
-"""extras/eval_correspondence.py, extras/visualize.py and common.py's correspondence section: the ground-truth mapping of the three protocols on
+"""extras/tools/eval_correspondence.py, extras/tools/visualize.py and common.py's correspondence section: the ground-truth mapping of the three protocols on
 hand-made geometries, a backbone that reads its tokens' positions from the pixels (perfect scores)
 and a constant one (chance), both scripts end to end on `synthetic` (one process and two), and the
 per-epoch monitor on tiny backbones, SelfPatch's CLS-free ViT included."""
@@ -15,7 +15,7 @@ from PIL import Image
 from torchvision.io import decode_png, read_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "extras")]
+sys.path[:0] = [str(ROOT), str(ROOT / "extras" / "tools")]
 import common  # noqa: E402
 import eval_correspondence as ec  # noqa: E402
 import glsd  # noqa: E402
@@ -151,7 +151,7 @@ def parse_results(stdout):
 def test_eval_correspondence_end_to_end(tmp_path):
     """Two processes (torchrun, gloo) score the same pairs as one, and write the pictures."""
     proc = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                 "extras/eval_correspondence.py", *TINY, "--save_pictures", str(tmp_path), "--num_pictures", "3")
+                 "extras/tools/eval_correspondence.py", *TINY, "--save_pictures", str(tmp_path), "--num_pictures", "3")
     with one_thread():
         one = ec.main(ec.get_args_parser().parse_args(TINY))      # one process, while the two run
     proc = finish(proc)
@@ -207,7 +207,7 @@ def test_visualize_crops_are_the_crops_training_sees(tmp_path):
 
 
 def test_visualized_matchings_are_glsds():
-    """extras/visualize.py draws the matchings of a GLSD step without importing glsd.py: its
+    """extras/tools/visualize.py draws the matchings of a GLSD step without importing glsd.py: its
     similarity and geometric matches (with GLSD's keep rule) equal glsd.py's on random crops."""
     torch.manual_seed(0)
     augment = common.MultiCropAugmentation((0.4, 1.0), (0.05, 0.4), 2, 64, 32)

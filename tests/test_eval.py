@@ -1,7 +1,7 @@
 """eval_knn.py and eval_linear.py: the weighted k-NN vote against a naive per-sample statement and
 the DINO authors' numbers, strict loading of every supported checkpoint layout, the linear-probe
 features (ViT and Swin), the linear probe's training, both scripts end to end on `synthetic`, and
-extras/teacher_outputs.py (its statistics against a loop, and its teacher against dino.py's model).
+extras/tools/teacher_outputs.py (its statistics against a loop, and its teacher against dino.py's model).
 
 tests/data/eval_knn_reference.pt holds inputs and outputs of the DINO authors' knn_classifier
 (facebookresearch/dino @ 7c446df5, eval_knn.py; see its "source" entry).
@@ -24,7 +24,7 @@ import eval_knn  # noqa: E402
 import eval_linear  # noqa: E402
 from test_reliability import finish, one_thread, run_here, start  # noqa: E402
 
-sys.path.append(str(ROOT / "extras"))
+sys.path.append(str(ROOT / "extras" / "tools"))
 import teacher_outputs  # noqa: E402
 
 KNN_REFERENCE = torch.load(ROOT / "tests/data/eval_knn_reference.pt", weights_only=True)
@@ -462,7 +462,7 @@ def test_eval_linear_on_precomputed_features(dino_run, tmp_path):
 
 
 # ================================================================================================
-# extras/teacher_outputs.py: how the teacher's image head spreads images over its K outputs
+# extras/tools/teacher_outputs.py: how the teacher's image head spreads images over its K outputs
 # ================================================================================================
 def test_head_statistics_against_loop():
     torch.manual_seed(0)

@@ -407,9 +407,9 @@ def test_dump_features_naming_a_file_is_refused_before_extracting(tmp_path):
 
 
 def test_save_pictures_naming_a_file_is_one_line(tmp_path):
-    """A real process: extras/eval_correspondence.py's one-line error on stderr, exit status 1."""
+    """A real process: extras/tools/eval_correspondence.py's one-line error on stderr, exit status 1."""
     (tmp_path / "pics").write_text("a file")
-    r = run("extras/eval_correspondence.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic",
+    r = run("extras/tools/eval_correspondence.py", "--random_init", "--arch", "vit_pico", "--dataset", "synthetic",
             "--synthetic_image_size", "32", "--crop_size", "32", "--device", "cpu", "--num_workers", "0",
             "--save_pictures", str(tmp_path / "pics"))
     one_line_error(r, f"--save_pictures {tmp_path / 'pics'} is a file, not a folder")

@@ -293,7 +293,7 @@ def test_weights_wrapped_in_a_model_entry_suggest_the_checkpoint_key(tmp_path):
 
 
 def test_gpu_check_with_an_unknown_part_leaves_no_folder(tmp_path):
-    sys.path.append(str(ROOT / "extras"))
+    sys.path.append(str(ROOT / "extras" / "perf"))
     import gpu_check
     with pytest.raises(SystemExit, match="--parts nosuch: no such part here"):
         gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "check"), "--parts", "nosuch"])

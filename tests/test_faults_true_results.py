@@ -19,7 +19,7 @@ import tqdm
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "extras")]
+sys.path[:0] = [str(ROOT), str(ROOT / "extras" / "tools"), str(ROOT / "extras" / "perf")]
 import common  # noqa: E402
 import dino  # noqa: E402
 import drloc  # noqa: E402

@@ -1,4 +1,4 @@
-"""extras/gpu_check.py, the first GPU run in one command. Its CPU form runs here (every part, tiny models,
+"""extras/perf/gpu_check.py, the first GPU run in one command. Its CPU form runs here (every part, tiny models,
 gloo; about a minute on a busy 2-core CPU); its GPU form's commands are parsed by the scripts' own
 parsers; its sync counter counts what would make the host wait for a GPU, and every training step
 keeps to the one host sync per step that docs/FIRST_GPU_RUN.md states."""
@@ -17,7 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "extras"))
+sys.path.insert(0, str(ROOT / "extras" / "perf"))
 import gpu_check  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def test_cpu_form_every_part_passes_with_one_sync_per_step(tmp_path):
     reads the GPU once (`common.step_sync`), so a method that gains a sync fails here (gpu_check marks it
     FAILED, naming the line); the resumed run ends where the uninterrupted one did, bit for bit on a CPU;
     two processes log the loss of one (the mean over the processes) and end at its weights."""
-    result = subprocess.run([sys.executable, "extras/gpu_check.py", "--device", "cpu", "--out", str(tmp_path / "out")],
+    result = subprocess.run([sys.executable, "extras/perf/gpu_check.py", "--device", "cpu", "--out", str(tmp_path / "out")],
                             cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     table = result.stdout.split("\n\npart ")[1].splitlines()[1:]
@@ -106,7 +106,7 @@ def test_a_sigterm_to_the_check_ends_the_part_it_runs(tmp_path):
     """The parts run in their own process groups (a timeout ends a whole part): a SIGTERM to gpu_check alone
     (kill, `timeout`) must end them too, not leave a training running, orphaned, on the GPU."""
     out = tmp_path / "out"
-    check = subprocess.Popen([sys.executable, "extras/gpu_check.py", "--device", "cpu", "--out", str(out), "--parts",
+    check = subprocess.Popen([sys.executable, "extras/perf/gpu_check.py", "--device", "cpu", "--out", str(out), "--parts",
                               "dino"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     for _ in range(1200):

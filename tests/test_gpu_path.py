@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "extras"))
+sys.path.insert(0, str(ROOT / "extras" / "perf"))
 import common  # noqa: E402
 import esvit  # noqa: E402
 import head_precision  # noqa: E402
@@ -229,7 +229,7 @@ def test_a_malformed_lock_is_taken_over_not_a_traceback_before_the_others_hear(t
 
 
 def test_bench_applies_the_authors_cuda_settings_as_training_does(monkeypatch):
-    """extras/bench.py sets the device up through `common.init_distributed` (cudnn.benchmark and TF32 on
+    """extras/perf/bench.py sets the device up through `common.init_distributed` (cudnn.benchmark and TF32 on
     CUDA: test_cuda_device_gets_cudnn_benchmark_and_tf32) before it times anything."""
     import bench
     calls = []
@@ -309,7 +309,7 @@ def test_cuda_device_gets_cudnn_benchmark_and_tf32(monkeypatch):
 def test_dino_head_computes_in_float32_under_bf16():
     """Under bf16 autocast the head's output is float32's bit for bit (on the CPU; TF32 on CUDA),
     and its gradients reach every weight; in a head computed in bf16 the teacher's logits move by
-    0.02 or more after the division by 0.04 (extras/head_precision.py measures them at 65,536)."""
+    0.02 or more after the division by 0.04 (extras/perf/head_precision.py measures them at 65,536)."""
     torch.manual_seed(0)
     head = head_precision.peaked(common.DINOHead(64, 4096, hidden_dim=256), torch.randn(32, 64))
     x = torch.randn(32, 64)

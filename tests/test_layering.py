@@ -5,6 +5,7 @@
     eval_linear                                 imports common and eval_knn (the shared evaluation code)
     extras/                                     the top floor: may import any of them; nothing else
                                                 (but the tests) imports extras/ or a method file
+    extras/tools/                               only common, eval_knn and each other
 
 no import circles, the top level is exactly the design card's, tests/ holds only the suite and its
 data, and every file fits its line budget (read in one sitting)."""
@@ -37,8 +38,8 @@ def imported_modules(path):
 
 
 def project_graph():
-    """{module: project modules it imports} over the top-level files and extras/."""
-    files = {p.stem: p for p in [*ROOT.glob("*.py"), *(ROOT / "extras").glob("*.py")]}
+    """{module: project modules it imports} over the top-level files and extras/ (its folders)."""
+    files = {p.stem: p for p in [*ROOT.glob("*.py"), *(ROOT / "extras").rglob("*.py")]}
     return {name: imported_modules(path) & set(files) for name, path in files.items()}
 
 
@@ -66,7 +67,8 @@ def find_cycle(graph):
 
 def test_no_import_circles():
     graph = project_graph()
-    assert {"common", *METHODS, *EVALUATION, "eval_correspondence", "visualize"} <= set(graph)
+    assert {"common", *METHODS, *EVALUATION, "eval_correspondence", "visualize", "compare",
+            "gpu_check"} <= set(graph)
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -81,9 +83,26 @@ def test_layers():
     for name in METHODS | {"eval_knn"}:
         assert graph[name] <= {"common"}, f"{name}.py imports {sorted(graph[name] - {'common'})}"
     assert graph["eval_linear"] <= {"common", "eval_knn"}, f"eval_linear.py imports {sorted(graph['eval_linear'])}"
-    extras = {p.stem for p in (ROOT / "extras").glob("*.py")}
+    extras = {p.stem for p in (ROOT / "extras").rglob("*.py")}
     for name in set(graph) - extras:
         assert not graph[name] & (extras | METHODS), f"{name}.py imports {sorted(graph[name] & (extras | METHODS))}"
+
+
+def test_tools_import_only_common_eval_knn_and_tools():
+    """extras/tools/ (pictures, correspondence, teacher outputs) serve a user with a checkpoint:
+    they need neither the results' record-keeping nor a method file."""
+    graph = project_graph()
+    tools = {p.stem for p in (ROOT / "extras" / "tools").glob("*.py")}
+    assert {"visualize", "eval_correspondence", "teacher_outputs"} <= tools
+    for name in tools:
+        assert graph[name] <= {"common", "eval_knn"} | tools, \
+            f"extras/tools/{name}.py imports {sorted(graph[name] - {'common', 'eval_knn'} - tools)}"
+
+
+def test_every_extras_module_name_is_unique():
+    """The scripts import each other by bare name (their folder on sys.path): one name, one file."""
+    stems = [p.stem for p in (ROOT / "extras").rglob("*.py")]
+    assert len(stems) == len(set(stems)), sorted(stems)
 
 
 @pytest.mark.parametrize("source, expected", [("import a.b, c\nfrom d.e import f\nfrom . import g\n", {"a", "c", "d"}),

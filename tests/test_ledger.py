@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "extras"))
+sys.path.insert(0, str(ROOT / "extras" / "experiments"))
 import compare  # noqa: E402
 import compare_tables  # noqa: E402
 import provenance  # noqa: E402

@@ -16,15 +16,15 @@ from PIL import Image
 from torchvision.transforms.functional import pil_to_tensor
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "extras"))
-import visualize  # noqa: E402
+sys.path.insert(0, str(ROOT / "extras" / "experiments"))
+import curves  # noqa: E402
 
 
 def curves_commands():
-    """The `visualize.py curves` commands that docs/COMPARISON.md lists, parsed."""
+    """The `curves.py` commands that docs/COMPARISON.md lists, parsed."""
     text = (ROOT / "docs" / "COMPARISON.md").read_text().replace("\\\n", " ")
-    lines = re.findall(r"python extras/visualize\.py curves[^\n]*", text)
-    return [visualize.get_args_parser().parse_args(shlex.split(line)[2:]) for line in lines]
+    lines = re.findall(r"python extras/experiments/curves\.py[^\n]*", text)
+    return [curves.get_args_parser().parse_args(shlex.split(line)[2:]) for line in lines]
 
 
 def test_every_curves_picture_of_the_documents_has_its_command():
@@ -40,23 +40,23 @@ def test_every_curves_picture_of_the_documents_has_its_command():
 @pytest.mark.parametrize("args", curves_commands(), ids=lambda a: Path(a.output).name)
 def test_a_committed_curves_picture_equals_its_redraw(args):
     picture = Image.open(ROOT / args.output)
-    series, title, pixels = visualize.curves_inputs(args)
-    redraw_data = json.loads(visualize.curves_data(series, title, pixels))
+    series, title, pixels = curves.curves_inputs(args)
+    redraw_data = json.loads(curves.curves_data(series, title, pixels))
     assert json.loads(picture.text["curves"]) == redraw_data, (
         f"{args.output}: redraw it (the log moved)"
     )
     if picture.text.get("pillow") == PIL.__version__:
-        redraw = visualize.curves_picture(series, title, pixels)
+        redraw = curves.curves_picture(series, title, pixels)
         assert torch.equal(pil_to_tensor(picture.convert("RGB")), redraw), f"{args.output} differs"
 
 
 def test_a_picture_drawn_before_its_log_changed_fails(tmp_path):
     """The check can fail: a picture drawn from a log whose figure later moved."""
     args = curves_commands()[0]
-    series, title, pixels = visualize.curves_inputs(args)
+    series, title, pixels = curves.curves_inputs(args)
     row = next(iter(series))
     step, values = series[row]["points"][-1]
     series[row]["points"][-1] = (step, {**values, "knn_top1": (1.0, 1.0, 1.0)})
-    assert json.loads(visualize.curves_data(series, title, pixels)) != json.loads(
+    assert json.loads(curves.curves_data(series, title, pixels)) != json.loads(
         Image.open(ROOT / args.output).text["curves"]
     )

@@ -44,7 +44,7 @@ def bad_logs(tmp_path):
             "folder": tmp_path}
 
 
-@pytest.mark.parametrize("script", ["extras/compare.py", "extras/results.py"])
+@pytest.mark.parametrize("script", ["extras/experiments/compare.py", "extras/experiments/results.py"])
 @pytest.mark.parametrize("kind", ["missing", "empty", "binary", "training log", "text", "folder"])
 def test_table_refuses_a_log_it_cannot_read_and_writes_nothing(tmp_path, copy, script, kind):
     before = {path: (copy / path).read_bytes() for path in DOCS}
@@ -56,14 +56,14 @@ def test_table_refuses_a_log_it_cannot_read_and_writes_nothing(tmp_path, copy, s
 
 @pytest.mark.parametrize("kind", ["missing", "empty", "binary", "training log", "text"])
 def test_curves_refuse_a_log_that_is_not_a_comparison_log(tmp_path, copy, kind):
-    r = run(copy, "extras/visualize.py", "curves", "--log", str(bad_logs(tmp_path)[kind]), "--output",
+    r = run(copy, "extras/experiments/curves.py", "--log", str(bad_logs(tmp_path)[kind]), "--output",
             str(tmp_path / "curves.png"))
     assert r.returncode != 0 and not (tmp_path / "curves.png").exists()
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script,args", [("extras/compare.py", ["--rows", "vit_dino"]),
-                                         ("extras/results.py", ["--runs", "dino"]), ("extras/quickstart.py", [])])
+@pytest.mark.parametrize("script,args", [("extras/experiments/compare.py", ["--rows", "vit_dino"]),
+                                         ("extras/experiments/results.py", ["--runs", "dino"]), ("extras/experiments/quickstart.py", [])])
 @pytest.mark.parametrize("kind", ["missing folder", "folder"])
 def test_a_log_that_cannot_be_written_stops_the_run_before_any_training(tmp_path, script, args, kind):
     """Its result is appended at the end: a wrong --log path must not be found after an hour's run."""
@@ -74,9 +74,9 @@ def test_a_log_that_cannot_be_written_stops_the_run_before_any_training(tmp_path
     assert len(r.stderr.strip().splitlines()) == 1 and "nothing was run" in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script,args,log", [("extras/compare.py", ["--rows", "vit_dino"], "compare_32px.jsonl"),
-                                             ("extras/results.py", ["--runs", "dino"], "results_32px.jsonl"),
-                                             ("extras/quickstart.py", [], "quickstart.jsonl")])
+@pytest.mark.parametrize("script,args,log", [("extras/experiments/compare.py", ["--rows", "vit_dino"], "compare_32px.jsonl"),
+                                             ("extras/experiments/results.py", ["--runs", "dino"], "results_32px.jsonl"),
+                                             ("extras/experiments/quickstart.py", [], "quickstart.jsonl")])
 def test_a_log_with_a_cut_line_stops_the_run_before_any_training(tmp_path, script, args, log):
     """A run killed while it appended leaves half a line: results.py gave json's traceback, and quickstart.py
     trained, then appended its record to that half line (lost to every table)."""
@@ -92,7 +92,7 @@ def test_a_log_with_a_cut_line_stops_the_run_before_any_training(tmp_path, scrip
 # ------------------------------------------------------------------------------------------------
 # Every figure of a generated block comes from the log; every gain pairs a row with its own network
 # ------------------------------------------------------------------------------------------------
-sys.path.insert(0, str(ROOT / "extras"))
+sys.path.insert(0, str(ROOT / "extras" / "experiments"))
 import compare  # noqa: E402
 import compare_tables  # noqa: E402
 import provenance  # noqa: E402
@@ -168,7 +168,7 @@ def test_generated_blocks_of_the_documents_are_the_generators_output_for_the_com
         text = (ROOT / path).read_text()
         for tag in ("compare.py", "results.py", "quickstart.py"):
             mine = {k.split(":")[1]: v for k, v in blocks.items() if k.startswith(tag)}
-            assert results.refresh(text, mine, tag=tag) == text, f"{path}: stale {tag} block; run python extras/{tag} --table"
+            assert results.refresh(text, mine, tag=tag) == text, f"{path}: stale {tag} block; run python extras/experiments/{tag} --table"
 
 
 def test_every_line_the_documents_publish_holds_its_time_commit_and_machine():
@@ -277,7 +277,7 @@ def test_the_random_init_row_evaluates_the_runs_starting_weights(tmp_path, monke
 
 def test_a_line_names_the_commit_its_work_started_from(monkeypatch):
     """A commit made while a run trains (a log line, a doc) is not the code that ran: the stamp keeps the start's."""
-    sys.path.insert(0, str(ROOT / "extras"))
+    sys.path.insert(0, str(ROOT / "extras" / "experiments"))
     import provenance
     head = {"rev-parse": "a" * 40, "status": " M common.py"}
     monkeypatch.setattr(provenance, "git", lambda *args: head[args[0]])
@@ -323,20 +323,20 @@ ONLY_KEYS = {"compare": {"data": "fashion_mnist", "row": "vit_dino", "variant": 
 
 
 @pytest.mark.parametrize("argv", [["compare.py", "--table"], ["results.py", "--table"],
-                                  ["quickstart.py", "--table"], ["visualize.py", "curves"]])
+                                  ["quickstart.py", "--table"], ["curves.py"]])
 def test_a_log_line_without_a_field_the_tables_read_is_refused_in_one_line(tmp_path, monkeypatch,
                                                                            argv):
     """A line that holds only the keys a log must have (no figures) was a KeyError deep inside a
     table; each generator names the line and the field, and writes nothing."""
-    import visualize
-    name = {"visualize.py": "compare"}.get(argv[0], argv[0][:-3])
+    import curves
+    name = {"curves.py": "compare"}.get(argv[0], argv[0][:-3])
     log = tmp_path / "log.jsonl"
     log.write_text(json.dumps(ONLY_KEYS[name]) + "\n")
     monkeypatch.setattr(provenance.os, "chdir", lambda path: None)
     before = {path: (ROOT / path).read_bytes() for path in DOCS}
     with pytest.raises(SystemExit) as stop:
-        if argv[0] == "visualize.py":
-            visualize.main(visualize.get_args_parser().parse_args(
+        if argv[0] == "curves.py":
+            curves.main(curves.get_args_parser().parse_args(
                 [*argv[1:], "--log", str(log), "--output", str(tmp_path / "c.png")]))
         else:
             monkeypatch.setattr(sys, "argv", [*argv, "--log", str(log)])

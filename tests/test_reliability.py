@@ -65,8 +65,8 @@ def run_here(script, *args, merge=False):
     last on stderr (as the interpreter prints it); stdout and stderr as the process writes them
     (merge: stderr into stdout, as 2>&1). An exception that would end the process with a traceback
     is raised, so that the test fails on it. Signal handlers and the preemption flag are restored."""
-    if script.startswith("extras/") and str(ROOT / "extras") not in sys.path:
-        sys.path.append(str(ROOT / "extras"))
+    if script.startswith("extras/") and str(ROOT / Path(script).parent) not in sys.path:
+        sys.path.append(str(ROOT / Path(script).parent))
     module = importlib.import_module(Path(script).stem)
     out = io.StringIO()
     err = out if merge else io.StringIO()

@@ -1,4 +1,4 @@
-"""extras/results.py (docs/RESULTS.md's Fashion-MNIST tables) and extras/compare.py (docs/COMPARISON.md's
+"""extras/experiments/results.py (docs/RESULTS.md's Fashion-MNIST tables) and extras/experiments/compare.py (docs/COMPARISON.md's
 controlled comparison) are not run by CI: their runs take CPU-hours. Check here that every recipe and
 comparison row still parses with its script's own arguments, the tables and the learning-curve picture."""
 import importlib
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras" / "experiments"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "extras" / "tools"))
 import compare  # noqa: E402
 import provenance  # noqa: E402
 import quickstart  # noqa: E402
 import results  # noqa: E402
-import visualize  # noqa: E402
+import curves  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -62,8 +63,8 @@ def test_results_publish_only_stamped_lines_and_list_the_commands_that_log_the_o
     blocks = results.generated_blocks(records)
     assert blocks["test"].splitlines()[2:] == ["| drloc5k_vit (supervised top-1, ± std) | recipe | 1 | 59.0 ± 0.0 | — | — "
                                                 "| 1.0 | 900 | 2026-11-27 |"]     # no drloc row, no paired line
-    assert "python extras/results.py --runs drloc --phase test --seeds 0 1 --relog" in blocks["unstamped"]
-    assert "python extras/results.py --runs drloc_base --phase test --seeds 0 1 --relog" in blocks["unstamped"]
+    assert "python extras/experiments/results.py --runs drloc --phase test --seeds 0 1 --relog" in blocks["unstamped"]
+    assert "python extras/experiments/results.py --runs drloc_base --phase test --seeds 0 1 --relog" in blocks["unstamped"]
     assert "drloc5k" not in blocks["unstamped"] and "drloc5k" in blocks["commands"]
     assert "41.0" not in "".join(blocks.values()) and blocks["unstamped"].startswith("4 lines")
     assert results.generated_blocks(records[4:])["unstamped"] == "Every line of the log is stamped."
@@ -201,7 +202,7 @@ def test_results_md_is_what_table_generates_from_the_log():
     records = provenance.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl")
     assert "<!-- results.py:test -->" in committed and "<!-- results.py:commands -->" in committed
     assert results.refresh(committed, results.generated_blocks(records)) == committed, \
-        "docs/RESULTS.md is stale: run python extras/results.py --table"
+        "docs/RESULTS.md is stale: run python extras/experiments/results.py --table"
 
 
 def test_each_listed_command_trains_what_its_logged_runs_trained():
@@ -224,7 +225,7 @@ def test_refresh_replaces_only_the_generated_blocks():
 
 
 # ------------------------------------------------------------------------------------------------
-# extras/compare.py: the controlled comparison
+# extras/experiments/compare.py: the controlled comparison
 # ------------------------------------------------------------------------------------------------
 def parse_row(row, data="fashion_mnist", phase="test", steps=400, curve_every=100):
     _, script, _ = compare.METHOD_FLAGS[row]
@@ -328,9 +329,9 @@ def test_comparison_table_is_generated_from_the_log():
     assert compare.comparison_table(records, "shapes", "test") == "No test-phase run of the comparison on shapes is logged yet."
     blocks = compare.generated_blocks(records)
     assert blocks["commands"].splitlines()[1:3] == [
-        "python extras/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels "
+        "python extras/experiments/compare.py --data fashion_mnist --phase test --steps 400 --seeds 0 1 --rows vit_dino vit_random pixels "
         "--curve_every 200 --curve_seeds 0 1",       # curves every 200 steps, for both seeds: not the defaults
-        "python extras/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --curve_every 200 "
+        "python extras/experiments/compare.py --data fashion_mnist --phase val --steps 400 --seeds 0 --rows vit_dino --curve_every 200 "
         "--skip_linear"]
     without_curves = [{k: v for k, v in r.items() if k != "curve"} for r in records]
     assert compare.generated_blocks(without_curves)["commands"].splitlines()[1].endswith(
@@ -565,7 +566,7 @@ def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_repl
         "| 2026-11-26 |",
         "| vit_dino | fashion_mnist | test | recipe | 1 | 62.00, 61.50 | -0.50 | — | — | not logged, bf16 | 2026-11-26 |"]
     assert "| vit_dino | recipe (test only) | 400 | 2 | 62.9 ± 1.4 |" in blocks["fashion_mnist_test"]   # (61.5 + 64.25) / 2
-    assert len(visualize.read_json_lines(log)) == 4                 # the curves read what the tables show
+    assert len(curves.read_json_lines(log)) == 4                 # the curves read what the tables show
     assert compare.generated_blocks(unstamped)["relogged"].startswith("No line logged without a timestamp")
 
 
@@ -575,7 +576,7 @@ def test_comparison_md_is_what_table_generates_from_the_log():
     committed = compare.COMPARISON_MD.read_text()
     assert "<!-- compare.py:fashion_mnist_test -->" in committed and "<!-- compare.py:commands -->" in committed
     assert results.refresh(committed, compare.generated_blocks(records), tag="compare.py") == committed, \
-        "docs/COMPARISON.md is stale: run python extras/compare.py --table"
+        "docs/COMPARISON.md is stale: run python extras/experiments/compare.py --table"
 
 
 @pytest.mark.parametrize("path", compare.SUMMARY_FILES, ids=lambda p: p.name)
@@ -587,7 +588,7 @@ def test_summaries_are_what_table_generates_from_the_log(path):
     assert "<!-- compare.py:summary -->" in text
     blocks = compare.generated_blocks(records)
     assert results.refresh(text, {n: blocks[n] for n in compare.SUMMARY_FILES[path]}, tag="compare.py") == text, \
-        f"{path.name}'s comparison summary is stale: run python extras/compare.py --table"
+        f"{path.name}'s comparison summary is stale: run python extras/experiments/compare.py --table"
 
 
 def test_summary_table_pairs_each_seed_with_its_own_random_init():
@@ -600,33 +601,33 @@ def test_summary_table_pairs_each_seed_with_its_own_random_init():
 
 def test_learning_curves_are_drawn_from_a_fake_log(tmp_path):
     records = fake_comparison_records()
-    series = visualize.curve_series(records, "fashion_mnist", "test")
+    series = curves.curve_series(records, "fashion_mnist", "test")
     # step 0: the row's own random init; 200: the kept checkpoint; 400: the final one; (mean, low, high) over seeds 0, 1
     assert series == {"vit_dino": {"seeds": [0, 1], "points": [
         (0, {"knn_top1": (50.0, 50.0, 50.0), "overlap_accuracy": (10.0, 10.0, 10.0)}),
         (200, {"knn_top1": (56.0, 55.0, 57.0), "overlap_accuracy": (15.0, 15.0, 15.0)}),
         (400, {"knn_top1": (61.0, 60.0, 62.0), "overlap_accuracy": (20.0, 20.0, 20.0)})]}}
-    assert "mean of seeds 0, 1, bars: their range" in visualize.curves_title(series, "fashion_mnist", "test", "recipe")
+    assert "mean of seeds 0, 1, bars: their range" in curves.curves_title(series, "fashion_mnist", "test", "recipe")
     longer = [{**r, "variant": "steps800", "steps": 800} for r in records if r["row"] == "vit_dino" and r["seed"] == 0]
-    series = visualize.curve_series(records + longer, "fashion_mnist", "test", "steps800")
+    series = curves.curve_series(records + longer, "fashion_mnist", "test", "steps800")
     assert series["vit_dino"]["seeds"] == [0] and series["vit_dino"]["points"][::2] == [
         (0, {"knn_top1": (50.0, 50.0, 50.0), "overlap_accuracy": (10.0, 10.0, 10.0)}),   # the recipe's random init
         (800, {"knn_top1": (60.0, 60.0, 60.0), "overlap_accuracy": (20.0, 20.0, 20.0)})]
-    assert "seed 0 only" in visualize.curves_title(series, "fashion_mnist", "test", "steps800")
+    assert "seed 0 only" in curves.curves_title(series, "fashion_mnist", "test", "steps800")
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "curves.png"
-    parser = visualize.get_args_parser()
-    picture = visualize.main(parser.parse_args(["curves", "--log", str(log), "--output", str(out)]))
+    parser = curves.get_args_parser()
+    picture = curves.main(parser.parse_args(["--log", str(log), "--output", str(out)]))
     assert out.is_file() and picture.dtype == torch.uint8 and picture.shape[0] == 3
-    colour = torch.tensor(visualize.ROW_STYLES["vit_dino"][0], dtype=torch.uint8)[:, None, None]
+    colour = torch.tensor(curves.ROW_STYLES["vit_dino"][0], dtype=torch.uint8)[:, None, None]
     assert ((picture == colour).all(dim=0)).sum() > 100        # the row's line and dots are drawn
     with pytest.raises(SystemExit):
-        visualize.main(parser.parse_args(["curves", "--log", str(log), "--data", "shapes", "--output", str(out)]))
+        curves.main(parser.parse_args(["--log", str(log), "--data", "shapes", "--output", str(out)]))
 
 
 def test_each_row_keeps_its_style_in_every_picture_and_overlapping_rows_differ():
-    styles = visualize.ROW_STYLES
+    styles = curves.ROW_STYLES
     assert set(styles) == set(compare.METHOD_FLAGS)
     assert len({colour for colour, _, _ in styles.values()}) == len(styles)       # one colour per row
     assert styles["swin_glsd_similarity"][1] is not None and styles["swin_esvit"][1] is None   # dashed over solid

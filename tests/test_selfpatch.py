@@ -439,9 +439,9 @@ def test_training_runs_and_resumes(tmp_path):
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 2
 
-    # extras/teacher_outputs.py reassembles the teacher's image path (aggregated image token -> c_head)
+    # extras/tools/teacher_outputs.py reassembles the teacher's image path (aggregated image token -> c_head)
     # as SelfPatch's own model computes it
-    sys.path.append(str(ROOT / "extras"))
+    sys.path.append(str(ROOT / "extras" / "tools"))
     import teacher_outputs
     data = ["--dataset", "synthetic", "--synthetic_images", "64", "--synthetic_image_size", "32",
             "--resize", "32", "--crop", "32", "--num_workers", "0"]

@@ -1,15 +1,19 @@
 """The README's quick start, run and logged: DINO on vit_pico (400 steps), then its teacher and the
 same network at random initialisation by 20-NN. One JSON line per run in --log
 (docs/data/quickstart.jsonl) with its commands, the figures' lines of their raw output, UTC time,
-commit and machine (extras/provenance.py); `--table` writes the generated blocks of README.md and
-docs/COMPARISON.md from the log. Not collected by pytest.
+commit and machine (extras/experiments/provenance.py); `--table` writes the generated blocks of
+README.md and docs/COMPARISON.md from the log. Not collected by pytest.
 
-    python extras/quickstart.py --data fashion_mnist                    # the README's command, test split
-    python extras/quickstart.py --data fashion_mnist_8k                 # the same 400 steps on 8000 images
-    python extras/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k   # that checkpoint, 8k's bank
-    python extras/quickstart.py --phase val --variant lr8 --extra "--lr 0.008" --steps 250   # a variant
-    python extras/quickstart.py --relog                                 # the lines without a stamp, again
-    python extras/quickstart.py --table
+    # the README's command, test split; the same 400 steps on 8000 images
+    python extras/experiments/quickstart.py --data fashion_mnist
+    python extras/experiments/quickstart.py --data fashion_mnist_8k
+    # that checkpoint, 8k's bank
+    python extras/experiments/quickstart.py --data fashion_mnist --eval_data fashion_mnist_8k
+    # a variant
+    python extras/experiments/quickstart.py --phase val --variant lr8 --steps 250 \\
+        --extra "--lr 0.008"
+    python extras/experiments/quickstart.py --relog    # the lines without a stamp, again
+    python extras/experiments/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
 --holdout 10000 in the val phase; it resumes (a finished run is not trained again), so a second
@@ -25,17 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import compare  # noqa: E402
 import provenance  # noqa: E402
 import results  # noqa: E402
 
-TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
-         "--out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
-         "--batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 --weight_decay_end 0.04 --freeze_last_layer 0 "
-         "--momentum_teacher 0.99 --drop_path_rate 0 --epochs {epochs} --max_steps_per_epoch 50 "
-         "--warmup_epochs {warmup:g} --batched_crops true --num_workers 0")
+TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_crop_size 16 "
+         "--local_crops_number 4 --out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 "
+         "--norm_last_layer false --batch_size_per_gpu 128 --lr 0.004 --weight_decay 0.04 "
+         "--weight_decay_end 0.04 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
+         "--epochs {epochs} --max_steps_per_epoch 50 --warmup_epochs {warmup:g} "
+         "--batched_crops true --num_workers 0")
 EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
 TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
 LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
@@ -71,11 +76,12 @@ def run(args):
     out = Path(args.work_dir) / name
     resumed = (out / "checkpoint.pth").exists() and not args.eval_data
     if resumed and not args.relog:                  # it would log a training that did not run
-        raise SystemExit(f"error: {out} already holds a trained run; train again with another --work_dir or "
-                         f"--variant, or evaluate it with --eval_data")
+        raise SystemExit(f"error: {out} already holds a trained run; train again with another "
+                         "--work_dir or --variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
     epochs = args.steps // 50
-    train = ["dino.py", *TRAIN.format(data=" ".join(data), epochs=epochs, warmup=epochs / 2).split(),
+    train = ["dino.py", *TRAIN.format(data=" ".join(data), epochs=epochs,
+                                      warmup=epochs / 2).split(),
              *args.extra.split(), "--output_dir", str(out)]
     weights = ["--pretrained_weights", str(out / "checkpoint.pth")]
     evaluation = ["eval_knn.py", *weights, *eval_data, *EVAL.split()]
@@ -93,25 +99,30 @@ def run(args):
     train_seconds = round(time.time() - start, 1)
     raw = {}
     for key, command in (("knn", evaluation), ("random_init", baseline)):
-        raw[key] = knn_line(provenance.run([sys.executable, *command], out / f"eval_{key}_{args.eval_data or args.data}.txt"))
+        raw[key] = knn_line(provenance.run([sys.executable, *command],
+                                           out / f"eval_{key}_{args.eval_data or args.data}.txt"))
     epochs_log = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     top1 = {k: float(re.search(r"top-1 ([0-9.]+)%", v).group(1)) for k, v in raw.items()}
     return {"data": args.eval_data or args.data, "trained_on": args.data, "phase": args.phase,
-            "variant": args.variant, "steps": args.steps, "extra": args.extra, "knn_top1": top1["knn"],
+            "variant": args.variant, "steps": args.steps, "extra": args.extra,
+            "knn_top1": top1["knn"],
             "random_init_knn_top1": top1["random_init"], "train_seconds": train_seconds,
             "teacher_entropy_last_epoch": epochs_log[-1].get("teacher_entropy"),
             "ln_k": math.log(json.loads((out / "args.json").read_text())["out_dim"]),
             "precision": json.loads((out / "args.json").read_text()).get("precision"),
-            "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)], "raw_output": raw,
+            "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)],
+            "raw_output": raw,
             **({"resumed": True} if resumed else {}), **({"test_use": use} if use else {}),
             **provenance.stamp(started)}
 
 
 def unstamped(records):
-    """The arguments that run again each (data, trained on, phase, variant) whose lines all lack a stamp."""
+    """The arguments that run again each (data, trained on, phase, variant) whose lines all lack a
+    stamp."""
     stamped = {key(r) for r in records if r.get("utc")}
     todo = {key(r): r for r in records if key(r) not in stamped}
-    return [{"data": r.get("trained_on", r["data"]), "eval_data": None if r.get("trained_on", r["data"]) == r["data"]
+    return [{"data": r.get("trained_on", r["data"]),
+             "eval_data": None if r.get("trained_on", r["data"]) == r["data"]
              else r["data"], "phase": r["phase"], "variant": r["variant"], "steps": r["steps"],
              "extra": r.get("extra") or ""} for r in todo.values()]
 
@@ -121,7 +132,8 @@ def key(r):
 
 
 def latest(records):
-    """The last line logged per (data, trained on, phase, variant), in the order the log first holds them."""
+    """The last line logged per (data, trained on, phase, variant), in the order the log first holds
+    them."""
     chosen = {}
     for r in records:
         chosen[key(r)] = r
@@ -133,78 +145,92 @@ def gain(r):
 
 
 def superseded_notes(records, phase, name):
-    """One line per `phase` line that a later one of the same key replaced: its figures then and now."""
+    """One line per `phase` line that a later one of the same key replaced: its figures then and
+    now."""
     shown = {key(r): r for r in latest(records)}
     notes = []
     for r in records:
         now = shown[key(r)]
         if r["phase"] == phase and r is not now:
-            change = (now["knn_top1"] - now["random_init_knn_top1"]) - (r["knn_top1"] - r["random_init_knn_top1"])
-            notes.append(f"\nSuperseded: {name(r)}, {r['knn_top1']:.2f} against {r['random_init_knn_top1']:.2f} "
-                         f"({provenance.when(r)}): {r.get('note') or 'a later line has the same key'}; the line shown: "
-                         f"{now['knn_top1']:.2f} against {now['random_init_knn_top1']:.2f}, gain now minus then "
-                         f"{change:+.2f}")
+            change = ((now["knn_top1"] - now["random_init_knn_top1"])
+                      - (r["knn_top1"] - r["random_init_knn_top1"]))
+            notes.append(f"\nSuperseded: {name(r)}, {r['knn_top1']:.2f} against "
+                         f"{r['random_init_knn_top1']:.2f} ({provenance.when(r)}): "
+                         f"{r.get('note') or 'a later line has the same key'}; the line shown: "
+                         f"{now['knn_top1']:.2f} against {now['random_init_knn_top1']:.2f}, gain "
+                         f"now minus then {change:+.2f}")
     return notes
 
 
 def variants_table(records):
-    lines = ["| variant | steps | flags added | 20-NN top-1 (%) | random init (%) | gain | h / ln K (last epoch) | "
-             "logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | steps | flags added | 20-NN top-1 (%) | random init (%) | gain | h / ln "
+             "K (last epoch) | logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
     for r in latest(records):
         if r["phase"] == "val":
             entropy = (f"{r['teacher_entropy_last_epoch'] / r['ln_k']:.2f}" if "ln_k" in r and
                        r.get("teacher_entropy_last_epoch") is not None else "—")
-            lines.append(f"| {r['variant']} | {r['steps']} | `{r.get('extra') or '—'}` | {r['knn_top1']:.2f} | "
-                         f"{r['random_init_knn_top1']:.2f} | {gain(r)} | {entropy} | {provenance.when(r)} |")
+            lines.append(f"| {r['variant']} | {r['steps']} | `{r.get('extra') or '—'}` | "
+                         f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
+                         f"{entropy} | {provenance.when(r)} |")
     return "\n".join(lines + superseded_notes(records, "val", lambda r: f"variant {r['variant']}"))
 
 
 def datasets_table(records):
     """The test-phase lines, and under the table the lines that a later one superseded."""
-    lines = ["| data (k-NN bank and queries) | trained on | variant | 20-NN top-1 (%) | random init (%) | gain | "
+    lines = ["| data (k-NN bank and queries) | trained on | variant | 20-NN top-1 (%) | random "
+             "init (%) | gain | "
              "raw output logged | logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
     for r in latest(records):
         if r["phase"] == "test":
-            lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | {r['knn_top1']:.2f} | "
-                         f"{r['random_init_knn_top1']:.2f} | {gain(r)} | {'yes' if 'raw_output' in r else 'no'} | "
-                         f"{provenance.when(r)} |")
+            lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | "
+                         f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
+                         f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} |")
     name = lambda r: f"{r['data']} trained on {r.get('trained_on', r['data'])}"    # noqa: E731
     return "\n".join(lines + superseded_notes(records, "test", name))
 
 
 def result_line(records):
-    r = next((r for r in reversed(records) if (r["data"], r.get("trained_on", r["data"]), r["phase"], r["variant"])
+    r = next((r for r in reversed(records) if (r["data"], r.get("trained_on", r["data"]),
+                                               r["phase"], r["variant"])
               == ("fashion_mnist", "fashion_mnist", "test", "quickstart")), None)
     if r is None:
         return "No run of the quick start is logged yet."
     machine = r.get("machine")         # lines logged before stamps: a description, no time
     minutes = f"{r['train_seconds'] / 60:.1f} min" if "train_seconds" in r else "a time not logged"
-    where = (f"{machine['cpu']}, {machine['cores']} cores, {machine['threads']} thread(s), load average "
-             f"{machine['load_average_start'][0]:g} at the start and {machine['load_average_end'][0]:g} at the end, "
+    where = (f"{machine['cpu']}, {machine['cores']} cores, {machine['threads']} thread(s), load "
+             "average "
+             f"{machine['load_average_start'][0]:g} at the start and "
+             f"{machine['load_average_end'][0]:g} at the end, "
              f"{r.get('precision')}, {r['utc']}" if isinstance(machine, dict) else
              f"{machine or 'machine not logged'}; no timestamp")
-    return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random initialisation "
-            f"({gain(r)}), {minutes} of training ({where}).")
+    return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random "
+            f"initialisation ({gain(r)}), {minutes} of training ({where}).")
 
 
 def generated_blocks(records):
-    return {"result": result_line(records), "variants": variants_table(records), "datasets": datasets_table(records)}
+    return {"result": result_line(records), "variants": variants_table(records),
+            "datasets": datasets_table(records)}
 
 
 def get_args_parser():
     p = argparse.ArgumentParser("quickstart.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="fashion_mnist", choices=list(compare.DATA), help="the data trained on")
-    p.add_argument("--eval_data", default=None, choices=list(compare.DATA), help="the data of the k-NN (default --data)")
+    p.add_argument("--data", default="fashion_mnist", choices=list(compare.DATA),
+                   help="the data trained on")
+    p.add_argument("--eval_data", default=None, choices=list(compare.DATA),
+                   help="the data of the k-NN (default --data)")
     p.add_argument("--phase", default="test", choices=["val", "test"])
     p.add_argument("--steps", default=400, type=int, help="training steps (a multiple of 50)")
     p.add_argument("--variant", default="quickstart", help="name under which the run is logged")
     p.add_argument("--extra", default="", help="training flags added to the README's")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "quickstart_log"), help="output directories of the runs")
-    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"), help="where compare.py's built datasets are written")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "quickstart_log"),
+                   help="output directories of the runs")
+    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
+                   help="where compare.py's built datasets are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
     p.add_argument("--relog", action="store_true",
-                   help="run again, with their own data, phase, steps, variant and flags, the lines of --log that "
-                        "have no timestamp (written before stamps existed); the stamped line then replaces them")
+                   help="run again, with their own data, phase, steps, variant and flags, the "
+                        "lines of --log that have no timestamp (written before stamps existed); "
+                        "the stamped line then replaces them")
     p.add_argument("--table", action="store_true",
                    help="run nothing: rewrite the generated blocks from --log")
     p.add_argument("--ledger", default=str(provenance.LEDGER),
@@ -220,16 +246,19 @@ def main():
     provenance.run_from_root(args, "work_dir", "data_dir", "log", "ledger")
     if args.steps <= 0 or args.steps % 50:
         sys.exit(f"error: --steps {args.steps} must be a positive multiple of 50")
-    if driver_flags := results.flags_set_by(args.extra, compare.DRIVER_FLAGS):    # as compare.py: its line names them
+    # as compare.py: its line names them
+    if driver_flags := results.flags_set_by(args.extra, compare.DRIVER_FLAGS):
         sys.exit(f"error: --extra cannot set {', '.join(driver_flags)}: "
-                 f"its line would name another split, dataset, budget or seed than it trained (use --data, --phase, --steps)")
+                 f"its line would name another split, dataset, budget or seed than it trained (use "
+                 "--data, --phase, --steps)")
     if not args.table:
         provenance.check_log_writable(args.log)
         provenance.check_log_writable(args.ledger, what="--ledger")
     todo = [vars(args)]
     if args.relog:
         todo = [{**vars(args), **line} for line in unstamped(read_checked(args.log))]
-        print(f"--relog: {len(todo)} line(s) of {args.log} without a timestamp to run again", flush=True)
+        print(f"--relog: {len(todo)} line(s) of {args.log} without a timestamp to run again",
+              flush=True)
     for job in todo if not args.table else []:
         job = argparse.Namespace(**job)
         if "fashion_mnist_8k" in (job.data, job.eval_data):
@@ -239,13 +268,15 @@ def main():
             f.write(json.dumps(record) + "\n")
         if record.get("test_use"):
             provenance.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
-        print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: 20-NN "
-              f"{record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%", flush=True)
+        print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: "
+              f"20-NN {record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
+              flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log))
         texts = {path: (ROOT / path).read_text() for path in TARGETS}
         for path, names in TARGETS.items():
-            refreshed = results.refresh(texts[path], {n: blocks[n] for n in names}, tag="quickstart.py")
+            refreshed = results.refresh(texts[path], {n: blocks[n] for n in names},
+                                        tag="quickstart.py")
             (ROOT / path).write_text(refreshed)
             print(f"{path}: {'refreshed' if refreshed != texts[path] else 'already up to date'}")
 

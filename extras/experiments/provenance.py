@@ -1,10 +1,11 @@
-"""Where a logged number comes from, and which network it measured (used by extras/compare.py,
-extras/results.py and extras/quickstart.py; not a script).
+"""Where a logged number comes from, and which network it measured (used by
+extras/experiments/compare.py, extras/experiments/results.py and extras/experiments/quickstart.py;
+not a script).
 
-- `stamp(started)`: what every new JSON line of a log records beside its numbers: the UTC times,
-  the commit at the start (and the tracked files that differed from it then), and the machine (CPU model, cores,
-  threads per process, load average at the start and at the end). `superseded`: a line written
-  before stamps existed gives way to the same work run again, stamped.
+- `stamp(started)`: what every new JSON line of a log records beside its numbers: the UTC times, the
+  commit at the start (and the tracked files that differed from it then), and the machine (CPU
+  model, cores, threads per process, load average at the start and at the end). `superseded`: a line
+  written before stamps existed gives way to the same work run again, stamped.
 - `network_signature(ckpt)`: the network an evaluation reads from a checkpoint, as eval_knn.py
   rebuilds it: its image token (the backbone's, or SelfPatch's class-attention module "ca_head")
   and a digest of its state dict's keys and shapes. Two rows may be paired (a gain over random
@@ -13,8 +14,8 @@ extras/results.py and extras/quickstart.py; not a script).
   `build_model` after `--seed`), written as a checkpoint that eval_knn.py reads.
 - `run(cmd, log_path)`: a command of a logged piece of work, its output kept; a SIGTERM to the
   driver is passed on to it (a training writes its checkpoint), so that none is left running.
-- `locked(log)`, `rewrite_log(log, lines)`: a log held by one process at a time (the drivers of several
-  seeds append to one log), and replaced whole when a line of it changes.
+- `locked(log)`, `rewrite_log(log, lines)`: a log held by one process at a time (the drivers of
+  several seeds append to one log), and replaced whole when a line of it changes.
 - `read_log(path)`: a log's records, or one line and a non-zero exit when the log is missing, not
   a file, empty, or not JSON lines (a generator must not write tables from nothing).
 """
@@ -33,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
@@ -48,7 +49,8 @@ def utc_now():
 
 def utc_seconds(stamp):
     """Seconds since the epoch of a logged UTC time (utc_now's format)."""
-    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+    moment = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")
+    return moment.replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def cpu_model():
@@ -63,7 +65,8 @@ def cpu_model():
 
 def git(*args):
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.rstrip("\n")
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.rstrip("\n")
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -73,13 +76,15 @@ def load_average():
 
 
 def run(cmd, log_path):
-    """`cmd`'s output, also written to `log_path`; one line and a non-zero exit if it fails. A SIGTERM to
-    this driver (kill, timeout, a scheduler's) is passed on: without it the command would go on, orphaned,
-    holding its --output_dir. A method script then writes its checkpoint, which the same command resumes."""
+    """`cmd`'s output, also written to `log_path`; one line and a non-zero exit if it fails. A
+    SIGTERM to this driver (kill, timeout, a scheduler's) is passed on: without it the command would
+    go on, orphaned, holding its --output_dir. A method script then writes its checkpoint, which the
+    same command resumes."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     stopped = []
     with open(log_path, "w") as log:
-        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                 env=env)
 
         def pass_on(*_):
             stopped.append("SIGTERM")
@@ -87,24 +92,27 @@ def run(cmd, log_path):
         previous = signal.signal(signal.SIGTERM, pass_on)
         try:
             returncode = child.wait()
-        except KeyboardInterrupt:               # Ctrl-C reached the command too (the terminal's process group)
+        # Ctrl-C reached the command too (the terminal's process group)
+        except KeyboardInterrupt:
             stopped.append("Ctrl-C")
             returncode = child.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
     if stopped:
-        sys.exit(f"stopped ({stopped[0]}) during {cmd[1] if len(cmd) > 1 else cmd[0]}; see {log_path}; run the same "
-                 f"command again to go on")
+        sys.exit(f"stopped ({stopped[0]}) during {cmd[1] if len(cmd) > 1 else cmd[0]}; see "
+                 f"{log_path}; run the same command again to go on")
     if returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed; see {log_path}")
     return Path(log_path).read_text()
 
 
 def start():
-    """What `stamp` needs from the start of a logged piece of work, the commit included: the code that
-    runs is the one checked out now, whatever is committed before the work ends."""
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"started_utc": utc_now(), "load_average_start": load_average(), "commit": git("rev-parse", "HEAD"),
+    """What `stamp` needs from the start of a logged piece of work, the commit included: the code
+    that runs is the one checked out now, whatever is committed before the work ends."""
+    changed = [line[3:] for line in git("status", "--porcelain",
+                                        "--untracked-files=no").splitlines()]
+    return {"started_utc": utc_now(), "load_average_start": load_average(),
+            "commit": git("rev-parse", "HEAD"),
             "uncommitted": changed}
 
 
@@ -114,21 +122,25 @@ def stamp(started):
     return {"started_utc": started["started_utc"], "utc": utc_now(), "commit": started["commit"],
             "uncommitted": started["uncommitted"],
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
-                        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),   # what run() gives each command
-                        "load_average_start": started["load_average_start"], "load_average_end": load_average(),
+                        # what run() gives each command
+                        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),
+                        "load_average_start": started["load_average_start"],
+                        "load_average_end": load_average(),
                         "torch": torch.__version__, "python": platform.python_version()}}
 
 
 def superseded(records, key):
-    """(the lines to show, [(a line without a timestamp, the stamped line of its `key` that supersedes
-    it)]): a line written before stamps existed gives way to the same work run again and stamped."""
+    """(the lines to show, [(a line without a timestamp, the stamped line of its `key` that
+    supersedes it)]): a line written before stamps existed gives way to the same work run again and
+    stamped."""
     stamped = {key(r): r for r in records if r.get("utc")}
     shown = [r for r in records if r.get("utc") or key(r) not in stamped]
     return shown, [(r, stamped[key(r)]) for r in records if not r.get("utc") and key(r) in stamped]
 
 
 def when(record):
-    """A record's UTC time, or a mark that its line has none (lines written before stamps existed)."""
+    """A record's UTC time, or a mark that its line has none (lines written before stamps
+    existed)."""
     return record.get("utc") or "no timestamp"
 
 
@@ -140,12 +152,14 @@ def network_signature(ckpt):
     a checkpoint of this repository (its teacher, or DRLoc's model)."""
     record = eval_knn.recorded_backbone(ckpt)
     state = ckpt["teacher"] if "teacher" in ckpt else ckpt["model"]
-    if record.get("image_token") == "ca_head":     # eval_knn.PooledViT: the backbone and the aggregation module
+    # eval_knn.PooledViT: the backbone and the aggregation module
+    if record.get("image_token") == "ca_head":
         state = {k: v for k, v in state.items() if k.startswith(("backbone.", "ca_head."))}
     else:
         state = eval_knn.backbone_state_dict(state)[0]
     keys = sorted(f"{k}:{list(v.shape)}" for k, v in state.items())
-    return {"image_token": record.get("image_token", "backbone"), "arch": record["arch"], "tensors": len(keys),
+    return {"image_token": record.get("image_token", "backbone"), "arch": record["arch"],
+            "tensors": len(keys),
             "parameters": sum(v.numel() for v in state.values()),
             "keys_sha256": hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]}
 
@@ -163,8 +177,8 @@ def parse_training_command(command):
     words = command.split() if isinstance(command, str) else []
     if len(words) < 2 or words[0] != "python" or words[1] not in METHOD_SCRIPTS:
         sys.exit(f"error: a logged command {str(command)[:60]!r} is not `python METHOD.py FLAGS` "
-                 f"(METHOD.py one of {', '.join(METHOD_SCRIPTS)}): a log line is never imported "
-                 "or run")
+                 f"(METHOD.py one of {', '.join(METHOD_SCRIPTS)}): a log line is never imported or "
+                 "run")
     module = importlib.import_module(words[1][:-3])     # a method file, read by the extras only
     try:
         with contextlib.redirect_stderr(io.StringIO()):     # argparse's usage: not this line's
@@ -179,8 +193,8 @@ def initial_checkpoint(command, seed=None):
     module, args = parse_training_command(command)
     common.fix_random_seeds(args.seed if seed is None else seed)
     model = module.build_model(args, args.drop_path_rate)
-    image_token = eval_knn.recorded_backbone({"args": vars(args), "method": module.__name__}).get("image_token",
-                                                                                                  "backbone")
+    recorded = eval_knn.recorded_backbone({"args": vars(args), "method": module.__name__})
+    image_token = recorded.get("image_token", "backbone")
     state = model.state_dict()
     return {"teacher": state, "student": state, "args": vars(args), "method": module.__name__,
             "backbone": common.backbone_record(model.backbone, image_token=image_token)}
@@ -189,8 +203,10 @@ def initial_checkpoint(command, seed=None):
 def command_signature(command):
     """network_signature of what a logged training command trains (built, not trained), as JSON."""
     words = command.split()
-    where = {"--seed", "--output_dir", "--holdout", "--dataset", "--data_path"}    # no bearing on the network
-    kept = [w for i, w in enumerate(words) if w not in where and (i == 0 or words[i - 1] not in where)]
+    # no bearing on the network
+    where = {"--seed", "--output_dir", "--holdout", "--dataset", "--data_path"}
+    kept = [w for i,
+            w in enumerate(words) if w not in where and (i == 0 or words[i - 1] not in where)]
     return signature_of_flags(" ".join(kept))
 
 
@@ -221,19 +237,21 @@ def check_trained(cmd, out):
     log = Path(out) / "log.txt"
     try:
         planned = json.loads((Path(out) / "args.json").read_text())["epochs"]
-        done = [json.loads(line)["epoch"] for line in log.read_text().splitlines()] if log.exists() else []
+        done = ([json.loads(line)["epoch"] for line in log.read_text().splitlines()]
+                if log.exists() else [])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        sys.exit(f"error: {' '.join(cmd)} left no readable args.json / log.txt in {out} ({type(e).__name__}: {e})")
+        sys.exit(f"error: {' '.join(cmd)} left no readable args.json / log.txt in {out} "
+                 f"({type(e).__name__}: {e})")
     if not done or done[-1] != planned - 1:
-        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} epochs (a "
-                 f"preemption signal?); nothing is logged: run the same command again to resume from "
-                 f"{Path(out) / 'checkpoint.pth'}")
+        sys.exit(f"error: {' '.join(cmd)} stopped after {done[-1] + 1 if done else 0} of {planned} "
+                 "epochs (a preemption signal?); nothing is logged: run the same command again to "
+                 f"resume from {Path(out) / 'checkpoint.pth'}")
 
 
 def run_from_root(args, *names):
-    """Each path flag in `names` as the user meant it (from the folder they typed it in), then the repository root
-    as the working folder, which the scripts run from: a path inside it becomes relative to it, the form the
-    logged commands have; one outside it stays absolute."""
+    """Each path flag in `names` as the user meant it (from the folder they typed it in), then the
+    repository root as the working folder, which the scripts run from: a path inside it becomes
+    relative to it, the form the logged commands have; one outside it stays absolute."""
     for name in names:
         path = Path(getattr(args, name)).resolve()
         setattr(args, name, str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
@@ -241,22 +259,24 @@ def run_from_root(args, *names):
 
 
 def check_log_writable(path, what="--log"):
-    """Before any training: the log each result is appended to can be written, else one line and exit 1
-    (found after an hour's run, a wrong path would lose its result)."""
+    """Before any training: the log each result is appended to can be written, else one line and
+    exit 1 (found after an hour's run, a wrong path would lose its result)."""
     path = Path(path)
     if not path.parent.is_dir():
         sys.exit(f"error: {what} {path}: its folder {path.parent} does not exist; nothing was run")
     if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
         reason = "a folder" if path.is_dir() else "no permission, or a read-only disk"
         sys.exit(f"error: {what} {path} cannot be written ({reason}); nothing was run")
-    if path.is_file() and path.stat().st_size:      # a cut line (a killed append) would swallow the next record
+    # a cut line (a killed append) would swallow the next record
+    if path.is_file() and path.stat().st_size:
         read_log(path, what=what)
 
 
 @contextlib.contextmanager
 def locked(log):
-    """The log, held by this process alone (processes of other seeds append to it or rewrite it). A rewrite
-    (`rewrite_log`) replaces the file, so a process that waited on the old one takes the lock again on the new."""
+    """The log, held by this process alone (processes of other seeds append to it or rewrite it). A
+    rewrite (`rewrite_log`) replaces the file, so a process that waited on the old one takes the
+    lock again on the new."""
     while True:
         f = open(log, "a")
         fcntl.flock(f, fcntl.LOCK_EX)      # released when f is closed
@@ -268,7 +288,8 @@ def locked(log):
 
 
 def rewrite_log(log, lines):
-    """Replace the log (held with `locked`) by `lines` atomically: a kill leaves the old log or the new, whole."""
+    """Replace the log (held with `locked`) by `lines` atomically: a kill leaves the old log or the
+    new, whole."""
     tmp = Path(log).with_name(f".{Path(log).name}.tmp{os.getpid()}")
     try:
         with open(tmp, "w") as f:
@@ -292,7 +313,8 @@ def read_log(path, required=(), what="--log"):
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: {what} {path} cannot be read as text ({type(e).__name__}): nothing is written")
+        sys.exit(f"error: {what} {path} cannot be read as text ({type(e).__name__}): nothing is "
+                 "written")
     records = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -305,8 +327,8 @@ def read_log(path, required=(), what="--log"):
             sys.exit(f"error: {what} {path} line {number} is not a JSON object: nothing is written")
         missing = [k for k in required if k not in record]
         if missing:
-            sys.exit(f"error: {what} {path} line {number} has no {', '.join(missing)}: not this script's log "
-                     f"(a training log.txt?); nothing is written")
+            sys.exit(f"error: {what} {path} line {number} has no {', '.join(missing)}: not this "
+                     "script's log (a training log.txt?); nothing is written")
         records.append(record)
     if not records:
         sys.exit(f"error: {what} {path} holds no record: nothing is written")
@@ -352,8 +374,8 @@ def record_test_use(path, use, reason=""):
         if earlier and not reason.strip():
             sys.exit(f"error: the test split was evaluated for {use['row']} seed {use['seed']} at "
                      f"budget {use['budget']} ({use['evaluation']}) {len(earlier)} time(s) already "
-                     f"(last {earlier[-1].get('started_utc', 'no time')}); give "
-                     "--reason \"...\" to do it again")
+                     f"(last {earlier[-1].get('started_utc', 'no time')}); give --reason \"...\" "
+                     "to do it again")
         entry = {"kind": "use", **{k: use.get(k) for k in LEDGER_KEY}, "command": use["command"],
                  "reason": reason.strip() or "first use", "use_number": len(earlier) + 1,
                  "id": f"{started['started_utc']}-{os.getpid()}-{len(earlier) + 1}",
@@ -397,11 +419,9 @@ def ledger_table(entries, drivers, unit):
         if e["driver"] in drivers:
             key = (e["driver"], e["data"], e["row"], e["budget"])
             groups.setdefault(key, []).append(e)
-    lines = [f"| driver | data | row | budget ({unit}) | "
-             "test uses per seed (evaluation: seed × uses) "
-             "| withdrawn | reconstructed | uncommitted code: top-level .py, any .py "
-             "| commit younger than start | "
-             "reasons given |", "|---" * 10 + "|"]
+    lines = [f"| driver | data | row | budget ({unit}) | test uses per seed (evaluation: seed × "
+             "uses) | withdrawn | reconstructed | uncommitted code: top-level .py, any .py | "
+             "commit younger than start | reasons given |", "|---" * 10 + "|"]
     for (driver, data, row, budget), es in groups.items():
         per_seed = {}
         for e in es:
@@ -471,5 +491,5 @@ def check_fields(records, path, fields, what="--log"):
                 wanted = f"one of {sorted(kind)}" if several else f"a {kind}"
                 found = "missing" if value is MISSING else f"{json.dumps(value)[:40]}"
                 sys.exit(f"error: {what} {path} record {number}: {key} is {found}, not {wanted} "
-                         f"(the tables read it); nothing is written")
+                         "(the tables read it); nothing is written")
     return records

@@ -1,30 +1,34 @@
-"""The controlled comparison of docs/COMPARISON.md: every self-supervised method at ONE shared budget
-(steps, batch, crops, lr schedule, teacher settings, seeds) on both small backbones, so that a row's
-difference from the DINO row of its backbone is what the method adds. Not collected by pytest.
+"""The controlled comparison of docs/COMPARISON.md: every self-supervised method at ONE shared
+budget (steps, batch, crops, lr schedule, teacher settings, seeds) on both small backbones, so that
+a row's difference from the DINO row of its backbone is what the method adds.
 
-    python extras/compare.py --phase val --seeds 0 1                     # choose: the held-out 10000 train images
-    python extras/compare.py --phase test --seeds 0 1                    # report: once per final setting
-    python extras/compare.py --data shapes --phase test --seeds 0 1      # the same comparison on a second dataset
-    python extras/compare.py --phase test --seeds 0 1 --add_linear       # probe the logged rows' checkpoints
-    python extras/compare.py --phase test --seeds 1 --add_curve --curve_every 200   # their kept checkpoints' curve
-    python extras/compare.py --table                                     # refresh docs/COMPARISON.md from the log
+    # choose: the held-out 10000 train images
+    python extras/experiments/compare.py --phase val --seeds 0 1
+    python extras/experiments/compare.py --phase test --seeds 0 1   # report: once per final setting
+    # the same comparison on a second dataset
+    python extras/experiments/compare.py --data shapes --phase test --seeds 0 1
+    # probe the logged rows' checkpoints; their kept checkpoints' curve
+    python extras/experiments/compare.py --phase test --seeds 0 1 --add_linear
+    python extras/experiments/compare.py --phase test --seeds 1 --add_curve --curve_every 200
+    python extras/experiments/compare.py --table    # refresh docs/COMPARISON.md from the log
 
 Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
 (geometric matching of the ViT's tokens). `swin_pico3 --fit_window true`: DINO's loss alone (dino.py
-with the Swin backbone: the pooled tokens through DINO's head), EsViT, GLSD geometric, GLSD similarity.
-Every row trains with SHARED + its backbone's flags + its method's own flags (METHOD_FLAGS) and
-nothing else; tests/test_results_presets.py checks that every shared argument parses to the same
-value in every script. A gain is over the row's own network at random initialisation, same seed,
-same read-out: the random-init rows (RANDOM_ROWS) evaluate, with --random_init --seed, the network
-of their source row's training command at its first step (provenance.starting_checkpoint); DINO's
-rows stand for every row of their backbone whose network is the same (EsViT, GLSD), SelfPatch's
-CLS-free ViT read through its aggregation module has its own. The tables refuse to pair networks
-whose state dicts (keys, shapes) or image tokens differ. Raw pixels have a k-NN row.
+with the Swin backbone: the pooled tokens through DINO's head), EsViT, GLSD geometric, GLSD
+similarity. Every row trains with SHARED + its backbone's flags + its method's own flags
+(METHOD_FLAGS) and nothing else; tests/test_results_presets.py checks that every shared argument
+parses to the same value in every script. A gain is over the row's own network at random
+initialisation, same seed, same read-out: the random-init rows (RANDOM_ROWS) evaluate, with
+--random_init --seed, the network of their source row's training command at its first step
+(provenance.starting_checkpoint); DINO's rows stand for every row of their backbone whose network is
+the same (EsViT, GLSD), SelfPatch's CLS-free ViT read through its aggregation module has its own.
+The tables refuse to pair networks whose state dicts (keys, shapes) or image tokens differ. Raw
+pixels have a k-NN row.
 
-A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from its
-checkpoint (the method script refuses changed flags) and is logged as `resumed`, without a train time.
-With --relog a row whose lines were written before stamps existed runs again with the same command;
-its stamped line replaces them in the tables, and the `relogged` block shows both figures.
+A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from
+its checkpoint (the method script refuses changed flags) and is logged as `resumed`, without a train
+time. With --relog a row whose lines were written before stamps existed runs again with the same
+command; its stamped line replaces them in the tables, and the `relogged` block shows both figures.
 
 Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
 each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
@@ -34,14 +38,17 @@ steps is kept for the learning curve.
 Columns, per row and seed (one JSON line each in --log, with every command that produced it, the
 figures' lines of their raw output, UTC time, commit and machine: provenance.stamp):
   knn_top1        eval_knn.py, 20-NN, T = 0.07, 32 px; bank: the train split (val: the other 50000)
-  linear_top1     eval_linear.py, LINEAR flags (100 epochs on features extracted once, no augmentation)
-  correspondence  extras/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images: `esvit`
-                  (a view and its flip) and `overlap` (two overlapping crops), top-10 and all-token accuracy
-  collapse        extras/teacher_outputs.py on 2000 images: per-image teacher entropy h and entropy of
-                  the mean target h_bar, both over ln K (h/ln K -> 1: uniform collapse; h_bar/ln K -> 0:
-                  one output wins)
+  linear_top1     eval_linear.py, LINEAR flags (100 epochs on features extracted once, no
+                  augmentation)
+  correspondence  extras/tools/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images:
+                  `esvit` (a view and its flip) and `overlap` (two overlapping crops), top-10 and
+                  all-token accuracy
+  collapse        extras/tools/teacher_outputs.py on 2000 images: per-image teacher entropy h and
+                  entropy of the mean target h_bar, both over ln K (h/ln K -> 1: uniform collapse;
+                  h_bar/ln K -> 0: one output wins)
   train time, peak memory   of training alone (log.txt)
-  curve           20-NN and `overlap` all-token accuracy of the kept checkpoints (seeds in --curve_seeds)
+  curve           20-NN and `overlap` all-token accuracy of the kept checkpoints (seeds in
+                  --curve_seeds)
 
 Data (--data). fashion_mnist: 60000 train / 10000 test (val: --holdout 10000). shapes: the project's
 synthetic shapes (`--dataset synthetic`) at 28 px, 8000 train / 2000 test, the shape as label.
@@ -52,24 +59,25 @@ they run the test phase only.
 """
 import argparse
 import json
-import re
-import resource
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import provenance  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
 import results  # noqa: E402
 import compare_tables  # noqa: E402
-from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS, baseline_row, comparison_table,  # noqa: E402,F401
-                            costs_table, differences_table, log_key, summary_table)
+from evaluator import (CORRESPONDENCE_IMAGES, EVAL, LINEAR, RAW_FIGURES,  # noqa: E402,F401
+                       Evaluator)
+from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
+                            baseline_row, comparison_table, costs_table, differences_table,
+                            log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
 # the blocks of the comparison outside COMPARISON.md: the README's "Results at a glance", RESULTS.md
-SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"), ROOT / "docs" / "RESULTS.md": ("summary",)}
+SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"),
+                 ROOT / "docs" / "RESULTS.md": ("summary",)}
 LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
 COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
@@ -79,15 +87,17 @@ STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch
 # optimisation, teacher. Set explicitly even where a script's default agrees, because the scripts'
 # defaults differ (crop scales, teacher temperature warm-up, last-layer normalisation).
 SHARED = ("--global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
-          "--global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
-          "--out_dim 1024 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
-          "--batch_size_per_gpu 128 --lr 0.004 --min_lr 1e-6 --weight_decay 0.04 --weight_decay_end 0.04 "
-          "--clip_grad 3.0 --freeze_last_layer 0 --momentum_teacher 0.99 --drop_path_rate 0 "
-          "--warmup_teacher_temp 0.04 --teacher_temp 0.04 --warmup_teacher_temp_epochs 0 --batched_crops true --num_workers 0")
-# BACKBONES, METHOD_FLAGS (row: backbone, script, the method's own flags), RANDOM_ROWS, ROWS: compare_tables.py
+          "--global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 --out_dim 1024 "
+          "--head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
+          "--batch_size_per_gpu 128 --lr 0.004 --min_lr 1e-6 --weight_decay 0.04 "
+          "--weight_decay_end 0.04 --clip_grad 3.0 --freeze_last_layer 0 --momentum_teacher 0.99 "
+          "--drop_path_rate 0 --warmup_teacher_temp 0.04 --teacher_temp 0.04 "
+          "--warmup_teacher_temp_epochs 0 --batched_crops true --num_workers 0")
+# BACKBONES, METHOD_FLAGS (row: backbone, script, the method's own flags), RANDOM_ROWS, ROWS:
+# compare_tables.py
 # the arguments that belong to a method (allowed to differ from its backbone's DINO row)
-OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops", "patch_loss_weight",
-                             "patch_teacher_temp"},
+OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops",
+                             "patch_loss_weight", "patch_teacher_temp"},
             "esvit.py": {"use_region_loss", "init_from"},
             "glsd.py": {"local_matching", "match_threshold"}}
 
@@ -96,103 +106,43 @@ DATA = {   # name: (dataset flags, held-out images for the val phase or None)
     "shapes": ("--dataset synthetic --synthetic_images 8000 --synthetic_image_size 28", None),
     "fashion_mnist_8k": ("--dataset folder --data_path {data_dir}/fashion_mnist_8k", None),
 }
-EVAL = "--resize 32 --crop 32 --num_workers 1"
-# The authors' 100 epochs, on features extracted once (no augmentation: the epochs cost seconds, not
-# a pass of the backbone each). The lr was chosen on the val phase (docs/COMPARISON.md, "Columns").
-LINEAR = "--precomputed_features true --epochs 100 --val_freq 100 --lr 1.0 --batch_size_per_gpu 256"
-CORRESPONDENCE_IMAGES = 500
-# the lines of an evaluation's output that hold a logged figure (kept in the JSON line as raw_output)
-RAW_FIGURES = r"NN classifier result|top-10 accuracy|per-image entropy|K = \d+ \(ln K"
-
-
-# set by the driver from --data, --phase, --steps, --curve_every, --seeds and --work_dir (an --extra that set one
-# would train another split, dataset or budget than its log line names)
-DRIVER_FLAGS = {"--dataset", "--data_path", "--holdout", "--epochs", "--max_steps_per_epoch", "--saveckp_freq", "--seed",
-                "--output_dir"}
+# set by the driver from --data, --phase, --steps, --curve_every, --seeds and --work_dir (an --extra
+# that set one would train another split, dataset or budget than its log line names)
+DRIVER_FLAGS = {"--dataset", "--data_path", "--holdout", "--epochs", "--max_steps_per_epoch",
+                "--saveckp_freq", "--seed", "--output_dir"}
 
 
 def training_flags(row, steps, curve_every):
     backbone, _, own = METHOD_FLAGS[row]
     epochs = steps // STEPS_PER_EPOCH
-    budget = (f"--epochs {epochs} --max_steps_per_epoch {STEPS_PER_EPOCH} --warmup_epochs {epochs / 2:g} "
-              f"--saveckp_freq {curve_every // STEPS_PER_EPOCH}")
+    budget = (f"--epochs {epochs} --max_steps_per_epoch {STEPS_PER_EPOCH} "
+              f"--warmup_epochs {epochs / 2:g} --saveckp_freq {curve_every // STEPS_PER_EPOCH}")
     return f"{SHARED} {BACKBONES[backbone]} {budget} {own}".split()
 
 
 def check_budget(steps, curve_every):
     if steps <= 0 or steps % STEPS_PER_EPOCH or curve_every <= 0 or curve_every % STEPS_PER_EPOCH \
             or steps % curve_every:
-        sys.exit(f"error: --steps {steps} and --curve_every {curve_every} must be positive multiples of "
+        sys.exit(f"error: --steps {steps} and --curve_every {curve_every} must be positive "
+                 "multiples of "
                  f"{STEPS_PER_EPOCH} (the steps of one epoch), --curve_every dividing --steps")
 
 
 def data_flags(data, phase, data_dir):
     flags, holdout = DATA[data]
     if phase == "val" and holdout is None:
-        sys.exit(f"error: --data {data} runs the test phase only (settings are chosen on fashion_mnist's val phase)")
-    return flags.format(data_dir=data_dir).split() + (["--holdout", str(holdout)] if phase == "val" else [])
+        sys.exit(f"error: --data {data} runs the test phase only (settings are chosen on "
+                 "fashion_mnist's val phase)")
+    held_out = ["--holdout", str(holdout)] if phase == "val" else []
+    return flags.format(data_dir=data_dir).split() + held_out
 
 
 write_fashion_mnist_8k = results.write_fashion_mnist_8k
 
 
-def children_cpu_seconds():
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)   # finished children and their waited-for children
-    return usage.ru_utime + usage.ru_stime
-
-
-class Evaluator:
-    """Runs the commands of one row, records them, and adds up their wall and CPU seconds by kind
-    (CPU seconds count the cores a command kept busy, its loader workers included: on a shared
-    machine they say what a row costs better than wall time)."""
-
-    def __init__(self, data, out, seed):
-        self.data, self.out, self.seed, self.commands = data, Path(out), seed, []
-        self.wall_seconds, self.cpu_seconds, self.raw_output = {}, {}, {}
-
-    def call(self, args, log_name):
-        kind = log_name.split(".")[0].split("_")[0]
-        self.commands.append(" ".join(["python", *args]))
-        start, cpu = time.time(), children_cpu_seconds()
-        output = provenance.run([sys.executable, *args], self.out / log_name)
-        for total, value in ((self.wall_seconds, time.time() - start), (self.cpu_seconds, children_cpu_seconds() - cpu)):
-            total[kind] = round(total.get(kind, 0.0) + value, 1)
-        figures = [line for line in output.splitlines() if re.search(RAW_FIGURES, line)]
-        if figures:
-            self.raw_output[log_name.removesuffix(".txt")] = figures
-        return output
-
-    def knn(self, weights, random_init=False, name="knn"):
-        baseline = ["--random_init", "--seed", str(self.seed)] if random_init else []
-        return results.knn_top1(self.call(["eval_knn.py", *self.data, *EVAL.split(), "--nb_knn", "20",
-                                           "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
-
-    def linear(self, weights, random_init=False):
-        out = self.out / "linear"
-        baseline = ["--random_init"] if random_init else []
-        self.call(["eval_linear.py", *self.data, *EVAL.split(), *LINEAR.split(), "--seed", str(self.seed),
-                   "--pretrained_weights", str(weights), *baseline, "--output_dir", str(out)], "linear.txt")
-        # the last epoch's top-1, not eval_linear's best over the validated epochs (it also validates
-        # epoch 0): nothing is chosen on the evaluation split
-        last = (out / "log.txt").read_text().splitlines()[-1]
-        self.raw_output["linear"] = [last]
-        return json.loads(last)["val_top1"]
-
-    def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"), name="correspondence"):
-        baseline = ["--random_init"] if random_init else []
-        return results.parse_correspondence(self.call(
-            ["extras/eval_correspondence.py", *self.data, "--crop_size", "32", "--max_images",
-             str(CORRESPONDENCE_IMAGES), "--num_workers", "0", "--seed", str(self.seed), "--protocols", *protocols,
-             "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
-
-    def collapse(self, weights):
-        return results.parse_collapse(self.call(["extras/teacher_outputs.py", *self.data, *EVAL.split(), "--max_images", "2000",
-                                         "--pretrained_weights", str(weights)], "teacher_outputs.txt"))
-
-
 def row_paths(row, args, seed):
-    """A row's output folder and the checkpoint it is evaluated on (a random-init row: the network of
-    its source row at the first step, start.pth in its own folder)."""
+    """A row's output folder and the checkpoint it is evaluated on (a random-init row: the network
+    of its source row at the first step, start.pth in its own folder)."""
     out = Path(args.work_dir) / args.data / f"{row}_{args.variant}_{args.phase}_seed{seed}"
     return out, out / ("start.pth" if row in RANDOM_ROWS else "checkpoint.pth")
 
@@ -202,13 +152,15 @@ def train_command(row, args, seed):
     row = RANDOM_ROWS.get(row, row)
     out = row_paths(row, args, seed)[0]
     return ["python", METHOD_FLAGS[row][1], *training_flags(row, args.steps, args.curve_every),
-            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(), "--seed", str(seed),
+            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(), "--seed",
+            str(seed),
             "--output_dir", str(out)]
 
 
 def finished(record, evaluate, started):
     return {**record, "commands": evaluate.commands, "wall_seconds": evaluate.wall_seconds,
-            "cpu_seconds": evaluate.cpu_seconds, "raw_output": evaluate.raw_output, **provenance.stamp(started)}
+            "cpu_seconds": evaluate.cpu_seconds, "raw_output": evaluate.raw_output,
+            **provenance.stamp(started)}
 
 
 def ledger_use(row, args, seed, evaluation="row"):
@@ -217,16 +169,18 @@ def ledger_use(row, args, seed, evaluation="row"):
     if args.phase != "test":
         return None
     command = " ".join(train_command(row, args, seed)) if row != "pixels" else \
-        f"python extras/compare.py --data {args.data} --phase test --rows pixels"
+        f"python extras/experiments/compare.py --data {args.data} --phase test --rows pixels"
     use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
            "evaluation": evaluation, "command": command}
     return provenance.record_test_use(args.ledger, use, args.reason)
 
 
 def run_row(row, args, seed):
-    """Train (unless a random-init or pixel row) and evaluate one row for one seed: its JSON record."""
+    """Train (unless a random-init or pixel row) and evaluate one row for one seed: its JSON
+    record."""
     started = provenance.start()
-    record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
+    record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase,
+              "seed": seed,
               "steps": args.steps}
     use = ledger_use(row, args, seed)
     if use:
@@ -265,7 +219,8 @@ def run_row(row, args, seed):
             total["train_resumed"] = total.pop("train")
     else:
         record["train_seconds"] = evaluate.wall_seconds["train"]
-    record["precision"] = json.loads((out / "args.json").read_text())["precision"]   # what --precision auto chose
+    # what --precision auto chose
+    record["precision"] = json.loads((out / "args.json").read_text())["precision"]
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
@@ -281,48 +236,60 @@ def run_row(row, args, seed):
 def kept_paths(out, args):
     """{step: the checkpoint a training keeps there}, every --curve_every steps before its last."""
     every = args.curve_every // STEPS_PER_EPOCH
-    return {e * STEPS_PER_EPOCH: out / f"checkpoint{e:04d}.pth" for e in range(every, args.steps // STEPS_PER_EPOCH, every)}
+    return {e * STEPS_PER_EPOCH: out / f"checkpoint{e:04d}.pth"
+            for e in range(every, args.steps // STEPS_PER_EPOCH, every)}
 
 
 def curve_points(evaluate, kept):
     """20-NN and `overlap` all-token accuracy of each kept checkpoint ({step: path})."""
-    return [{"step": step, "knn_top1": evaluate.knn(path, name=f"curve_knn_{path.stem[10:]}"),
-             "overlap_accuracy": evaluate.correspondence(path, protocols=("overlap",), name=f"curve_correspondence_"
-                                                         f"{path.stem[10:]}")["overlap"]["accuracy"]}
-            for step, path in kept.items()]
+    points = []
+    for step, path in kept.items():
+        knn = evaluate.knn(path, name=f"curve_knn_{path.stem[10:]}")
+        correspondence = evaluate.correspondence(path, protocols=("overlap",),
+                                                 name=f"curve_correspondence_{path.stem[10:]}")
+        points.append({"step": step, "knn_top1": knn,
+                       "overlap_accuracy": correspondence["overlap"]["accuracy"]})
+    return points
 
 
 def check_kept(record, kept):
     """Refuse a kept checkpoint that is missing or was not written while the logged training ran
-    (between its line's start and its time): a later run's would put another network into the line."""
+    (between its line's start and its time): a later run's would put another network into the
+    line."""
     if not (record.get("started_utc") and record.get("utc")):
-        sys.exit(f"error: the line of {record['row']} seed {record['seed']} has no times (logged before stamps): "
-                 "which run kept its checkpoints is unknown; --relog --curve_seeds with its seed logs it with a curve")
+        sys.exit(f"error: the line of {record['row']} seed {record['seed']} has no times (logged "
+                 "before stamps): which run kept its checkpoints is unknown; --relog "
+                 "--curve_seeds with its seed logs it with a curve")
     start, end = (provenance.utc_seconds(record[k]) for k in ("started_utc", "utc"))
-    start = 0 if record.get("resumed") else start          # a resumed run kept some before its last process
+    # a resumed run kept some before its last process
+    start = 0 if record.get("resumed") else start
     for step, path in kept.items():
         if not path.is_file():
-            sys.exit(f"error: {path} is missing: {record['row']} seed {record['seed']} kept no checkpoint at step "
-                     f"{step} (a --curve_every other than its training's?)")
+            sys.exit(f"error: {path} is missing: {record['row']} seed {record['seed']} kept no "
+                     f"checkpoint at step {step} (a --curve_every other than its training's?)")
         if not start <= path.stat().st_mtime <= end:
-            sys.exit(f"error: {path} is not from the logged run of {record['row']} seed {record['seed']} (written "
-                     "outside its time): its curve cannot be added")
+            sys.exit(f"error: {path} is not from the logged run of {record['row']} seed "
+                     f"{record['seed']} (written outside its time): its curve cannot be added")
 
 
 def add_evaluation(row, args, seed, kind):
     """The linear probe (kind "linear_top1") or the learning curve ("curve") of a logged row run
-    without it, from its kept checkpoints: written into its log line, with the commands and their cost."""
+    without it, from its kept checkpoints: written into its log line, with the commands and their
+    cost."""
     key = (args.data, row, args.variant, args.phase, seed)
     logged = [r for r in compare_tables.current(compare_tables.read_checked(args.log))[0]
               if log_key(r) == key]
     if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
         return None      # not logged (or twice), already evaluated, or a random init (no curve)
-    stamped = bool(logged[0].get("utc"))     # the line the tables show: a relogged row's stamped one
+    # the line the tables show: a relogged row's stamped one
+    stamped = bool(logged[0].get("utc"))
     out, weights = row_paths(row, args, seed)
     if row in RANDOM_ROWS and not weights.is_file():
-        provenance.starting_checkpoint(logged[0].get("start_of") or " ".join(train_command(row, args, seed)), weights)
+        source = logged[0].get("start_of") or " ".join(train_command(row, args, seed))
+        provenance.starting_checkpoint(source, weights)
     if not weights.is_file():
-        sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it cannot be evaluated")
+        sys.exit(f"error: {row} seed {seed} is logged but its checkpoint {weights} is missing: it "
+                 "cannot be evaluated")
     if kind == "linear_top1" and (out / "linear").exists():
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
     if kind == "curve":
@@ -374,47 +341,66 @@ def generated_blocks(records, ledger=None):
     entries = provenance.read_ledger(ledger or COMMITTED_LEDGER)
     withdrawn = compare_tables.withdrawn_table(records)
     records, relogged = compare_tables.current(records)
-    blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data, (_, holdout) in DATA.items()
+    blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data,
+              (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
-    blocks.update(summary=summary_table(records), differences=differences_table(records), costs=costs_table(records),
+    blocks.update(summary=summary_table(records), differences=differences_table(records),
+                  costs=costs_table(records),
                   added=compare_tables.added_table(records),
-                  **{f"differences_{data}": differences_table(records, data) for data in ("fashion_mnist_8k", "shapes")},
-                  long_budget=compare_tables.long_budget_table(records), long_glance=compare_tables.long_glance_table(records),
-                  long_budget_differences=differences_table(records, runs=compare_tables.long_runs(records)),
+                  **{f"differences_{data}": differences_table(records, data)
+                     for data in ("fashion_mnist_8k", "shapes")},
+                  long_budget=compare_tables.long_budget_table(records),
+                  long_glance=compare_tables.long_glance_table(records),
+                  long_budget_differences=differences_table(
+                      records, runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
                   knn_k=compare_tables.knn_k_table(records),
                   test_uses=provenance.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
-    blocks["commands"] = ("```bash\n" + "\n".join(commands) + "\n```") if commands else "No run is logged yet."
+    blocks["commands"] = (("```bash\n" + "\n".join(commands) + "\n```") if commands
+                          else "No run is logged yet.")
     return blocks
 
 
 def get_args_parser():
     p = argparse.ArgumentParser("compare.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="fashion_mnist", choices=list(DATA), help="the dataset of the comparison")
+    p.add_argument("--data", default="fashion_mnist", choices=list(DATA),
+                   help="the dataset of the comparison")
     p.add_argument("--phase", default="val", choices=["val", "test"],
-                   help="val: train without the held-out images and evaluate on them; test: the reported numbers")
+                   help="val: train without the held-out images and evaluate on them; test: the "
+                        "reported numbers")
     p.add_argument("--rows", nargs="+", default=None, choices=ROWS,
-                   help="rows to run, in this order (default: all, unless --table alone; a random-init row evaluates "
-                        "its source row's network at the first step, without training it)")
+                   help="rows to run, in this order (default: all, unless --table alone; a "
+                        "random-init row evaluates its source row's network at the first step, "
+                        "without training it)")
     p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
-    p.add_argument("--steps", default=400, type=int, help="training steps of every row (a multiple of 50)")
-    p.add_argument("--curve_every", default=100, type=int, help="keep and evaluate a checkpoint every N steps")
-    p.add_argument("--curve_seeds", nargs="*", type=common.COUNT, default=[0], help="seeds whose kept checkpoints are evaluated")
+    p.add_argument("--steps", default=400, type=int,
+                   help="training steps of every row (a multiple of 50)")
+    p.add_argument("--curve_every", default=100, type=int,
+                   help="keep and evaluate a checkpoint every N steps")
+    p.add_argument("--curve_seeds", nargs="*", type=common.COUNT, default=[0],
+                   help="seeds whose kept checkpoints are evaluated")
     p.add_argument("--skip_linear", action="store_true",
                    help="no linear probe (its column shows —): about a fifth of a row's CPU time")
     p.add_argument("--add_linear", action="store_true",
-                   help="train nothing: probe the kept checkpoints of the logged --rows and --seeds that have no "
-                        "linear top-1 yet (run with --skip_linear), and write it into their log lines")
+                   help="train nothing: probe the kept checkpoints of the logged --rows and "
+                        "--seeds that have no linear top-1 yet (run with "
+                        "--skip_linear), and write it into their log lines")
     p.add_argument("--add_curve", action="store_true",
-                   help="train nothing: evaluate the checkpoints kept every --curve_every steps by the logged --rows "
-                        "and --seeds that have no learning curve yet (seeds not in --curve_seeds), into their log lines")
+                   help="train nothing: evaluate the checkpoints kept every "
+                        "--curve_every steps by the logged --rows and "
+                        "--seeds that have no learning curve yet (seeds not in "
+                        "--curve_seeds), into their log lines")
     p.add_argument("--relog", action="store_true",
-                   help="run again the --rows and --seeds whose log lines have no timestamp (written before stamps "
-                        "existed): the stamped line replaces them in the tables, which show both figures")
-    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
-    p.add_argument("--extra", default="", help="training flags added to every trained row (a variant)")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "compare"), help="output directories of the runs")
+                   help="run again the --rows and --seeds whose log lines have no timestamp "
+                        "(written before stamps existed): the stamped line replaces them in the "
+                        "tables, which show both figures")
+    p.add_argument("--variant", default="recipe",
+                   help="name under which a variant (--extra) is logged")
+    p.add_argument("--extra", default="",
+                   help="training flags added to every trained row (a variant)")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "compare"),
+                   help="output directories of the runs")
     p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
                    help="where the built datasets (fashion_mnist_8k) are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "compare_32px.jsonl"),
@@ -433,9 +419,10 @@ def main():
     args = get_args_parser().parse_args()
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
-    if results.flags_set_by(args.extra, DRIVER_FLAGS):     # the line would name a data split or budget not trained
-        sys.exit(f"error: --extra cannot set {', '.join(sorted(DRIVER_FLAGS))}: --data, --phase, --steps, "
-                 f"--curve_every, --seeds and --work_dir do")
+    # the line would name a data split or budget not trained
+    if results.flags_set_by(args.extra, DRIVER_FLAGS):
+        sys.exit(f"error: --extra cannot set {', '.join(sorted(DRIVER_FLAGS))}: --data, --phase, "
+                 "--steps, --curve_every, --seeds and --work_dir do")
     check_budget(args.steps, args.curve_every)
     provenance.run_from_root(args, "work_dir", "data_dir", "log", "ledger")
     rows = args.rows if args.rows is not None else [] if args.table else ROWS
@@ -449,24 +436,29 @@ def main():
     for kind, flag in (("linear_top1", "--add_linear"), ("curve", "--add_curve")):
         if getattr(args, flag[2:]):
             if not Path(args.log).is_file():
-                sys.exit(f"error: {flag} evaluates the rows logged in --log {args.log}, which does not exist")
+                sys.exit(f"error: {flag} evaluates the rows logged in --log {args.log}, which does "
+                         "not exist")
             for row in [r for r in (args.rows or ROWS) if r != "pixels"]:
                 for seed in args.seeds:
                     value = add_evaluation(row, args, seed, kind)
                     if value is not None:
-                        print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: {kind} {value}", flush=True)
+                        print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: {kind} "
+                              f"{value}", flush=True)
             rows = []
     for row in rows:
         # the pixel row has no seed: logged once per (data, phase), by the run whose --seeds hold 0,
         # and once more where no line of it holds the four k (a test use: --reason)
         pixels_logged = any((r["data"], r["phase"], r["row"]) == (args.data, args.phase, "pixels")
                             and "knn_top1_by_k" in r for r in logged)
-        for seed in args.seeds if row != "pixels" else [0] if 0 in args.seeds and not pixels_logged else []:
+        pixel_seeds = [0] if 0 in args.seeds and not pixels_logged else []
+        for seed in args.seeds if row != "pixels" else pixel_seeds:
             key = (args.data, row, args.variant, args.phase, seed)
             lines = [r for r in logged
                      if log_key(r) == key and (row != "pixels" or "knn_top1_by_k" in r)]
-            if lines and (any(r.get("utc") for r in lines) or not args.relog):   # --relog: unstamped lines only
-                print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already", flush=True)
+            # --relog: unstamped lines only
+            if lines and (any(r.get("utc") for r in lines) or not args.relog):
+                print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already",
+                      flush=True)
                 continue
             record = run_row(row, args, seed)
             if args.extra:
@@ -475,18 +467,24 @@ def main():
                 f.write(json.dumps(record) + "\n")
             if record.get("test_use"):
                 provenance.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
-            print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN {record['knn_top1']:.2f}%"
+            print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN "
+                  f"{record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")
-                  + (f", {record['train_seconds'] / 60:.1f} min training" if "train_seconds" in record else ""),
+                  + (f", {record['train_seconds'] / 60:.1f} min training"
+                     if "train_seconds" in record else ""),
                   flush=True)
     if args.table:      # every block is made before any file is written
         blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
-        documents = [(COMPARISON_MD, blocks), *((path, {n: blocks[n] for n in names}) for path, names in SUMMARY_FILES.items())]
+        documents = [(COMPARISON_MD, blocks),
+                     *((path, {n: blocks[n] for n in names})
+                       for path, names in SUMMARY_FILES.items())]
         texts = [path.read_text() for path, _ in documents]
-        refreshed = [results.refresh(text, chosen, tag=TAG) for text, (_, chosen) in zip(texts, documents)]
+        refreshed = [results.refresh(text, chosen, tag=TAG)
+                     for text, (_, chosen) in zip(texts, documents)]
         for (path, _), text, refreshed in zip(documents, texts, refreshed):
             path.write_text(refreshed)
-            print(f"{path.relative_to(ROOT)}: {'refreshed' if refreshed != text else 'already up to date'}")
+            print(f"{path.relative_to(ROOT)}: "
+                  f"{'refreshed' if refreshed != text else 'already up to date'}")
 
 
 if __name__ == "__main__":

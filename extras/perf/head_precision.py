@@ -18,7 +18,7 @@ images: the backbone's rounding, which the head cannot undo, is then included.
 Reported per case: the largest |P - P_fp32| over all entries, the largest and the mean over the
 rows of KL(P_fp32 || P), and the largest |logit - logit_fp32| / tau_t.
 
-    python extras/head_precision.py [--out_dim 65536] [--batch 128] [--in_dim 384] [--images 8]
+    python extras/perf/head_precision.py [--out_dim 65536] [--batch 128] [--in_dim 384] [--images 8]
 """
 import argparse
 import sys
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 
 TEACHER_TEMP = 0.04

@@ -1,5 +1,5 @@
 """What the documents may claim from two seeds, and DRLoc's paired comparisons (used by
-extras/results.py; not a script).
+extras/experiments/results.py; not a script).
 
 The rule, stated once (docs/RESULTS.md and docs/COMPARISON.md, "What counts as a finding"): with two
 seeds, a difference is a finding only where its mean exceeds both the seeds' spread (half their
@@ -104,7 +104,8 @@ def drloc_regime(records):
     def paired(
         phase,
     ):  # {(arch, data, epochs): differences by seed}, one variant per setting: the recipe's first
-        settings, found = {}, {}
+        settings = {}
+        found = {}
         for r in records:
             arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
             if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
@@ -133,8 +134,8 @@ def drloc_regime(records):
             }
         )
         return (
-            "No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); "
-            f"logged so far: {', '.join(logged) or 'nothing'}."
+            "No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); logged "
+            f"so far: {', '.join(logged) or 'nothing'}."
         )
 
     def say(diffs):
@@ -155,8 +156,8 @@ def drloc_regime(records):
 
     on = lambda data: "" if data == "fashion_mnist" else f", {data}"  # noqa: E731
     lines = [
-        "DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, "
-        "first 5000 train images:"
+        "DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first 5000 "
+        "train images:"
     ]
     lines += [
         f"- `{arch}`, {n} epochs{on(data)}: {say(diffs)}"
@@ -188,7 +189,7 @@ def drloc_regime(records):
         for (arch, data, n), diffs in tested.items()
     ]
     lines.append(
-        f"- rule: a gap is a finding only if its mean exceeds both the seeds' spread (±) and "
-        f"one evaluation's binomial error on {DRLOC_EVAL_IMAGES} images"
+        "- rule: a gap is a finding only if its mean exceeds both the seeds' spread (±) and one "
+        f"evaluation's binomial error on {DRLOC_EVAL_IMAGES} images"
     )
     return "\n".join(lines)

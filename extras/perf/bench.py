@@ -1,11 +1,11 @@
 """Speed and memory of every method's training step, timed in the method's own code; and the
 README quick start's step with PIL crops in loader workers against batched crops without workers.
 
-    python extras/bench.py                                 # CPU preset (vit_pico), every method
-    python extras/bench.py --preset paper --device cuda    # ViT-S/16, 2 x 224 + 8 x 96, batch 64
-    python extras/bench.py --preset paper --device cuda --arch swin_tiny
-    python extras/bench.py --methods dino glsd_geometric --precisions fp32 bf16 --steps 3
-    python extras/bench.py --recipe quickstart             # PIL crops + workers vs batched crops
+    python extras/perf/bench.py                               # CPU preset (vit_pico), every method
+    python extras/perf/bench.py --preset paper --device cuda  # ViT-S/16, 2 x 224 + 8 x 96, batch 64
+    python extras/perf/bench.py --preset paper --device cuda --arch swin_tiny
+    python extras/perf/bench.py --methods dino glsd_geometric --precisions fp32 bf16 --steps 3
+    python extras/perf/bench.py --recipe quickstart           # PIL crops + workers vs batched crops
 
 What is timed. A row (a method, with some flags of its own, in one precision) runs the method file's
 own `main()` on the arguments its own parser gives (`get_args_parser().parse_args([...])`), for one
@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import dino  # noqa: E402
 import drloc  # noqa: E402
@@ -359,7 +359,7 @@ def print_header(device, argv):
           f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print(f"--precision auto here: {auto_precision(device).removeprefix('precision: ')}")
     command = " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"command: python extras/bench.py {command}".rstrip())
+    print(f"command: python extras/perf/bench.py {command}".rstrip())
 
 
 def print_rows(rows, args):

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 
-# Run as `python extras/eval_correspondence.py` from anywhere: the modules sit one folder up.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as `python extras/tools/eval_correspondence.py` from anywhere: the modules sit two folders up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 

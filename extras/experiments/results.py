@@ -1,18 +1,19 @@
 """Fashion-MNIST results of docs/RESULTS.md: small-image CPU recipes of every method at the images'
 own scale (32 px crops of the 28 px images), over several seeds. Not collected by pytest.
 
-    python extras/results.py --runs dino --phase val --seeds 0     # choose: train on 50k, k-NN on the other 10k
-    python extras/results.py --runs dino --phase test --seeds 0 1  # report: train on 60k, k-NN on the test split
-    python extras/results.py --runs pixels                         # the k-NN on raw pixels, for scale
-    python extras/results.py --table                               # refresh docs/RESULTS.md from the log
+    # choose: train on 50k, k-NN on the other 10k; report: train on 60k, k-NN on the test split
+    python extras/experiments/results.py --runs dino --phase val --seeds 0
+    python extras/experiments/results.py --runs dino --phase test --seeds 0 1
+    python extras/experiments/results.py --runs pixels    # the k-NN on raw pixels, for scale
+    python extras/experiments/results.py --table          # refresh docs/RESULTS.md from the log
 
 Phases. `val` trains with `--holdout 10000` and evaluates on those last 10000 train images (the
-other 50000 are the k-NN bank): every recipe and variant was chosen there. `test` trains on all 60000
-and evaluates once on the 10000 test images. Each run is also evaluated at its random initialisation
-(`eval_knn.py --random_init` on its own checkpoint: same architecture, windows and seed). k-NN: k = 20,
-T = 0.07. One JSON line per (run, variant, phase, seed) goes to --log with the exact commands, train
-time and peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a recipe under its own name
-(SelfPatch's were searched on a one-epoch base, `selfpatch_epochs1`).
+other 50000 are the k-NN bank): every recipe and variant was chosen there. `test` trains on all
+60000 and evaluates once on the 10000 test images. Each run is also evaluated at its random
+initialisation (`eval_knn.py --random_init` on its own checkpoint: same architecture, windows and
+seed). k-NN: k = 20, T = 0.07. One JSON line per (run, variant, phase, seed) goes to --log with the
+exact commands, train time and peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a
+recipe under its own name (SelfPatch's were searched on a one-epoch base, `selfpatch_epochs1`).
 
 `--table` rewrites the generated blocks of docs/RESULTS.md (between `<!-- results.py:NAME -->` and
 `<!-- /results.py -->`) from the stamped lines (UTC time, commit, machine): the two tables, DRLoc's
@@ -23,146 +24,83 @@ both with the script's own parser). The prose around the blocks is written by ha
 import argparse
 import importlib
 import json
-import math
 import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import eval_knn  # noqa: E402
 import provenance  # noqa: E402
 from claims import DRLOC_ARCHS, DRLOC_EPOCHS, drloc_regime, paired_difference  # noqa: E402,F401
+from readouts import (KNN_KS, knn_top1, parse_collapse,  # noqa: E402,F401
+                      parse_correspondence, pixels_knn_by_k, pixels_knn_top1,
+                      write_fashion_mnist_8k)
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
-# Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head sized
-# for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
+# Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head
+# sized for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
 SSL = ("--dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
        "--out_dim 4096 --head_hidden_dim 512 --head_bottleneck_dim 128 --norm_last_layer false "
        "--batch_size_per_gpu 128 --weight_decay 0.04 --weight_decay_end 0.04 --freeze_last_layer 0 "
        "--momentum_teacher 0.99 --drop_path_rate 0 --num_workers 1 --saveckp_freq 0")
 VIT = "--arch vit_pico --patch_size 4 --lr 0.004 --epochs 1 --warmup_epochs 0.5"
-# K = 1024 for the Swin recipes: their region heads see every token (48 per image), and with K = 4096
-# the region softmaxes of a batch take 100 MB per pass, most of a step's time on a CPU.
-SWIN = "--arch swin_pico3 --fit_window true --out_dim 1024 --lr 0.004 --epochs 1 --warmup_epochs 0.5"
+# K = 1024 for the Swin recipes: their region heads see every token (48 per image), and with K =
+# 4096 the region softmaxes of a batch take 100 MB per pass, most of a step's time on a CPU.
+SWIN = ("--arch swin_pico3 --fit_window true --out_dim 1024 --lr 0.004 --epochs 1 "
+        "--warmup_epochs 0.5")
 
 # DRLoc is supervised: vit_pico/2 at the images' 28 px gives a 14x14 grid, pooled to the paper's 7x7
 # (as DRLoc's ViT-B at 224 px); 5 epochs of 10000 train images; its number is its own top-1.
-DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch vit_pico --patch_size 2 --input_size 28 "
-         "--batch_size_per_gpu 64 --epochs 5 --warmup_epochs 1 --lr 5e-3 --lambda_warmup_epochs 1 --num_workers 1")
+DRLOC = ("--dataset fashion_mnist --train_subset 10000 --arch vit_pico --patch_size 2 "
+         "--input_size 28 --batch_size_per_gpu 64 --epochs 5 --warmup_epochs 1 --lr 5e-3 "
+         "--lambda_warmup_epochs 1 --num_workers 1")
 
 # DRLoc in its paper's regime (claims.py: DRLOC_EPOCHS, DRLOC_ARCHS)
-DRLOC_SMALL = ("--dataset fashion_mnist --train_subset 5000 --val_subset 5000 --input_size 28 --batch_size_per_gpu 64 "
-               f"--lr 5e-3 --epochs {DRLOC_EPOCHS} --warmup_epochs 1 --lambda_warmup_epochs 1 --num_workers 0 "
-               "--saveckp_freq 0")
+DRLOC_SMALL = ("--dataset fashion_mnist --train_subset 5000 --val_subset 5000 --input_size 28 "
+               f"--batch_size_per_gpu 64 --lr 5e-3 --epochs {DRLOC_EPOCHS} --warmup_epochs 1 "
+               "--lambda_warmup_epochs 1 --num_workers 0 --saveckp_freq 0")
 
-SELFPATCH_EPOCHS1 = (f"{SSL} {VIT} --out_dim 1024 --patch_out_dim 1024 "
-                     "--teacher_temp 0.01 --warmup_teacher_temp 0.01")
+SELFPATCH_EPOCHS1 = (f"{SSL} {VIT} --out_dim 1024 --patch_out_dim 1024 --teacher_temp 0.01 "
+                     "--warmup_teacher_temp 0.01")
 
 # name: (script, flags)
 RUNS = {
     "pixels": (None, None),   # no network: the same k-NN on the raw pixels at the same 32 px
     "dino": ("dino.py", f"{SSL} {VIT}"),
-    # SelfPatch: three epochs at teacher temperature 0.02 with DINO's crop scales, on the one-epoch base
-    # its variants were searched on (below); --saveckp_freq 1 keeps each epoch's checkpoint
-    "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --teacher_temp 0.02 --warmup_teacher_temp 0.02 --epochs 3 "
-                                  "--warmup_epochs 1 --global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
+    # SelfPatch: three epochs at teacher temperature 0.02 with DINO's crop scales, on the one-epoch
+    # base its variants were searched on (below); --saveckp_freq 1 keeps each epoch's checkpoint
+    "selfpatch": ("selfpatch.py", f"{SELFPATCH_EPOCHS1} --teacher_temp 0.02 "
+                                  "--warmup_teacher_temp 0.02 --epochs 3 --warmup_epochs 1 "
+                                  "--global_crops_scale 0.4 1 --local_crops_scale 0.05 0.4 "
                                   "--saveckp_freq 1"),
-    # The one-epoch base: K = K_p = 1024 (one patch head output per token) and teacher temperature 0.01,
-    # not 4096 and the paper's 0.04 (variants `tt0.04`, `tt0.02`, `k1024_tt0.02`)
+    # The one-epoch base: K = K_p = 1024 (one patch head output per token) and teacher temperature
+    # 0.01, not 4096 and the paper's 0.04 (variants `tt0.04`, `tt0.02`, `k1024_tt0.02`)
     "selfpatch_epochs1": ("selfpatch.py", SELFPATCH_EPOCHS1),
-    # EsViT: two epochs (one gained less on validation), warm-up still half the run (later flags win)
+    # EsViT: two epochs (one gained less on validation), warm-up still half the run (later flags
+    # win)
     "esvit": ("esvit.py", f"{SSL} {SWIN} --epochs 2 --warmup_epochs 1"),
     "glsd": ("glsd.py", f"{SSL} {SWIN} --local_matching geometric"),
     "drloc": ("drloc.py", DRLOC),
     "drloc_base": ("drloc.py", f"{DRLOC} --lambda_drloc 0"),
-    **{f"drloc5k_{arch}{suffix}": ("drloc.py", f"{DRLOC_SMALL} {flags}{extra}") for arch, flags in DRLOC_ARCHS.items()
+    **{f"drloc5k_{arch}{suffix}": ("drloc.py", f"{DRLOC_SMALL} {flags}{extra}") for arch,
+       flags in DRLOC_ARCHS.items()
        for suffix, extra in (("", ""), ("_base", " --lambda_drloc 0"))},
 }
 HOLDOUT = 10000
 
 
-def knn_top1(output):
-    match = re.search(r"20-NN classifier result: top-1 ([0-9.]+)%", output)
-    if not match:
-        sys.exit("error: no 20-NN result in eval_knn.py's output")
-    return float(match.group(1))
-
-
-def parse_correspondence(output):
-    """{protocol: {top10_accuracy, accuracy, ...}} from extras/eval_correspondence.py's log lines."""
-    metrics = {}
-    for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all tokens: accuracy "
-                         r"([0-9.]+)% \(chance ([0-9.]+)%\), distance ([0-9.]+) cells", output):
-        metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy", "chance_accuracy",
-                                        "distance"], map(float, m.groups()[1:])))
-    if not metrics:
-        sys.exit("error: no correspondence metrics in extras/eval_correspondence.py's output")
-    return metrics
-
-
-def parse_collapse(output):
-    k = re.search(r"K = (\d+) \(ln K", output)
-    h = re.search(r"per-image entropy ([0-9.]+) \| entropy of the mean target ([0-9.]+)", output)
-    if not (k and h):
-        sys.exit("error: no entropies in extras/teacher_outputs.py's output")
-    return {"teacher_entropy": float(h.group(1)), "mean_target_entropy": float(h.group(2)),
-            "ln_k": math.log(int(k.group(1)))}
-
-
-KNN_KS = (10, 20, 100, 200)      # DINO's k of its k-NN evaluation
-
-
-def pixels_knn_top1(bank, queries, resize=32, crop=32):
-    """20-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are evaluated on them:
-    eval_knn.py's transform (bicubic resize, centre crop, normalisation) flattened and l2-normalised.
-    `bank` and `queries` are labelled datasets of PIL images."""
-    return pixels_knn_by_k(bank, queries, (20,), resize, crop)[20]
-
-
-def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
-    """{k: top-1} of pixels_knn_top1's k-NN at each k of `ks`, the features made once."""
-    transform = common.eval_transform(resize, crop)
-
-    def features(dataset):
-        pairs = [dataset[i] for i in range(len(dataset))]
-        pixels = torch.stack([transform(image.convert("RGB")).flatten() for image, _ in pairs])
-        return torch.nn.functional.normalize(pixels, dim=1), torch.tensor([label for _, label in pairs])
-
-    (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
-    return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels,
-                                       k=k, T=0.07, num_classes=len(bank.classes))[0]
-            for k in ks if k <= len(bank_labels)}        # no k past the bank's size
-
-
-def write_fashion_mnist_8k(data_dir):
-    """Fashion-MNIST's 10000 test images as an ImageFolder (extras/compare.py's `fashion_mnist_8k`):
-    the first 8000 in train/, the last 2000 in val/, one PNG each under its class name. Kept if it
-    is already complete."""
-    root = Path(data_dir) / "fashion_mnist_8k"
-    if root.is_dir() and len(list(root.glob("*/*/*.png"))) == 10000:
-        return root
-    test = common.FashionMNIST(train=False)
-    for i in range(len(test)):
-        image, label = test[i]
-        folder = root / ("train" if i < 8000 else "val") / re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
-        folder.mkdir(parents=True, exist_ok=True)
-        image.convert("L").save(folder / f"{i:05d}.png")
-    return root
-
-
 def pixels_top1(phase):
     """The raw-pixel 20-NN of Fashion-MNIST: val, the last HOLDOUT train images against the others;
     test, the test split against the train split."""
-    data = argparse.Namespace(dataset="fashion_mnist", data_path=None, holdout=HOLDOUT if phase == "val" else 0)
-    return pixels_knn_top1(common.build_dataset(data, train=True), common.build_dataset(data, train=False))
+    data = argparse.Namespace(dataset="fashion_mnist", data_path=None,
+                              holdout=HOLDOUT if phase == "val" else 0)
+    return pixels_knn_top1(common.build_dataset(data, train=True),
+                           common.build_dataset(data, train=False))
 
 
 def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None, reason=""):
@@ -181,7 +119,8 @@ def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
         return None
     script, flags = RUNS[name]
     if script is None:
-        command, budget = "python extras/results.py --runs pixels --phase test", None
+        command = "python extras/experiments/results.py --runs pixels --phase test"
+        budget = None
     else:
         command = " ".join(["python", script, *flags.split(), *extra.split(), "--seed", str(seed)])
         budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
@@ -198,22 +137,28 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
     split = ["--holdout", str(HOLDOUT)] if phase == "val" else []
     out = Path(work_dir) / f"{name}_{variant}_{phase}_seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
-    train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed), "--output_dir", str(out)]
-    resumed = (out / "checkpoint.pth").exists()     # a stopped run goes on: its time would be its last process's only
+    train = [sys.executable, script, *flags.split(), *extra.split(), *split, "--seed", str(seed),
+             "--output_dir", str(out)]
+    # a stopped run goes on: its time would be its last process's only
+    resumed = (out / "checkpoint.pth").exists()
     start = time.time()
     provenance.run(train, out / "train.txt")
     provenance.check_trained(train, out)
-    record.update({"resumed": True} if resumed else {"train_seconds": round(time.time() - start, 1)})
+    record.update({"resumed": True} if resumed
+                  else {"train_seconds": round(time.time() - start, 1)})
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["last_epoch"] = {k: v for k, v in epochs[-1].items() if isinstance(v, float)}
     record["train_command"] = " ".join(["python", *train[1:]])
-    if script == "drloc.py":   # supervised: its own top-1 on the evaluation split after the last epoch
+    # supervised: its own top-1 on the evaluation split after the last epoch
+    if script == "drloc.py":
         record["top1"] = epochs[-1]["val_acc1"]
         record["raw_output"] = {"log": (out / "log.txt").read_text().splitlines()[-1]}
         return record
-    evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20", "--num_workers", "1",
-                  "--resize", "32", "--crop", "32", "--pretrained_weights", str(out / "checkpoint.pth"), *split]
+    evaluation = [sys.executable, "eval_knn.py", "--dataset", "fashion_mnist", "--nb_knn", "20",
+                  "--num_workers", "1",
+                  "--resize", "32", "--crop", "32", "--pretrained_weights",
+                  str(out / "checkpoint.pth"), *split]
     outputs = {"eval": provenance.run(evaluation, out / "eval.txt")}
     record["top1"] = knn_top1(outputs["eval"])
     record["eval_command"] = " ".join(["python", *evaluation[1:]])
@@ -221,7 +166,8 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
     outputs["random_init"] = provenance.run(baseline, out / "eval_random.txt")
     record["random_init_top1"] = knn_top1(outputs["random_init"])
     record["random_init_command"] = " ".join(["python", *baseline[1:]])
-    record["raw_output"] = {k: [line for line in v.splitlines() if "NN classifier result" in line] for k, v in outputs.items()}
+    record["raw_output"] = {k: [line for line in v.splitlines() if "NN classifier result" in line]
+                            for k, v in outputs.items()}
     return record
 
 
@@ -236,10 +182,11 @@ def cell(values, digits=1):
 
 
 def table(records, phase):
-    """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each seed's
-    top-1 minus its own checkpoint's with --random_init, per seed in seed order; a resumed run's train
-    time "—"."""
-    rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) | train time (min) | "
+    """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each
+    seed's top-1 minus its own checkpoint's with --random_init, per seed in seed order; a resumed
+    run's train time "—"."""
+    rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) "
+            "| train time (min) | "
             "peak memory (MB) | logged (UTC) |", "|---|---|---|---|---|---|---|---|---|"]
     groups = {}
     for r in records:
@@ -256,14 +203,16 @@ def table(records, phase):
         minutes = f"{statistics.mean(r['train_seconds'] for r in rs) / 60:.1f}" if timed else "—"
         if "random_init_top1" not in rs[0]:   # DRLoc: supervised top-1, mean ± standard deviation
             spread = statistics.stdev(top1) if len(top1) > 1 else 0.0
-            rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | {statistics.mean(top1):.1f} "
-                        f"± {spread:.1f} | — | — | {minutes} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+            rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | "
+                        f"{statistics.mean(top1):.1f} ± {spread:.1f} | — | — | {minutes} | "
+                        f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |")
             continue
         random_init = [r["random_init_top1"] for r in rs]
         gains = [a - b for a, b in zip(top1, random_init)]
         per_seed = f" ({', '.join(f'{g:+.1f}' for g in gains)})" if len(gains) > 1 else ""
         rows.append(f"| {name} | {variant} | {len(rs)} | {cell(top1)} | {cell(random_init)} | "
-                    f"{cell(gains)}{per_seed} | {minutes} | {max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+                    f"{cell(gains)}{per_seed} | {minutes} | {max(r['peak_memory_mb'] for r in rs)} "
+                    f"| {logged} |")
     return "\n".join(rows)
 
 
@@ -272,19 +221,23 @@ def table(records, phase):
 # ------------------------------------------------------------------------------------------------
 # docs/RESULTS.md: generated blocks
 # ------------------------------------------------------------------------------------------------
-RUN_PLACE_FLAGS = {"--holdout", "--seed", "--output_dir"}   # set by train_and_evaluate, not by a recipe
+# set by train_and_evaluate, not by a recipe
+RUN_PLACE_FLAGS = {"--holdout", "--seed", "--output_dir"}
 
 
 def flags_set_by(extra, flags):
-    """Which of `flags` an --extra sets, abbreviated ones too (argparse reads --hold as --holdout)."""
-    words = [word.split("=")[0] for word in extra.split() if word.startswith("--") and len(word.split("=")[0]) > 2]
+    """Which of `flags` an --extra sets, abbreviated ones too (argparse reads --hold as
+    --holdout)."""
+    words = [word.split("=")[0] for word in extra.split()
+             if word.startswith("--") and len(word.split("=")[0]) > 2]
     return sorted({flag for flag in flags for word in words if flag.startswith(word)})
 
 
 def logged_flags(record):
     """The training flags of a logged run, without those that train_and_evaluate adds itself."""
     words = record["train_command"].split()[2:]          # drop "python script.py"
-    return [w for i, w in enumerate(words) if w not in RUN_PLACE_FLAGS and (i == 0 or words[i - 1] not in RUN_PLACE_FLAGS)]
+    return [w for i, w in enumerate(words)
+            if w not in RUN_PLACE_FLAGS and (i == 0 or words[i - 1] not in RUN_PLACE_FLAGS)]
 
 
 def as_flag_value(value):
@@ -300,26 +253,30 @@ def extra_flags(record):
     every argument whose parsed value differs, in the parser's order."""
     script, flags = RUNS[record["run"]]
     parser = importlib.import_module(script[:-3]).get_args_parser()
-    recipe, logged = vars(parser.parse_args(flags.split())), vars(parser.parse_args(logged_flags(record)))
+    recipe = vars(parser.parse_args(flags.split()))
+    logged = vars(parser.parse_args(logged_flags(record)))
     extra = []
     for action in parser._actions:
         if action.option_strings and recipe.get(action.dest) != logged.get(action.dest):
             if logged[action.dest] is None:
-                sys.exit(f"error: cannot express --{action.dest} None as a flag ({record['run']} {record['variant']})")
+                sys.exit(f"error: cannot express --{action.dest} None as a flag ({record['run']} "
+                         f"{record['variant']})")
             extra.append(f"{action.option_strings[0]} {as_flag_value(logged[action.dest])}")
     return " ".join(extra)
 
 
 def reproducing_commands(records):
-    """One `python extras/results.py ...` line per (run, variant, phase, extra), seeds together, in the
-    order the log first holds them."""
+    """One `python extras/experiments/results.py ...` line per (run, variant, phase, extra), seeds
+    together, in the order the log first holds them."""
     groups = {}
     for r in records:
         extra = "" if r["run"] == "pixels" else extra_flags(r)
-        groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra), []).append(r["seed"])
-    return [f"python extras/results.py --runs {name} --phase {phase}"
+        groups.setdefault((r["run"], r.get("variant", "recipe"), r["phase"], extra),
+                          []).append(r["seed"])
+    return [f"python extras/experiments/results.py --runs {name} --phase {phase}"
             + ("" if name == "pixels" else f" --seeds {' '.join(str(s) for s in sorted(seeds))}")
-            + variant_flags(variant, extra) for (name, variant, phase, extra), seeds in groups.items()]
+            + variant_flags(variant, extra) for (name, variant, phase, extra),
+            seeds in groups.items()]
 
 
 def variant_flags(variant, extra):
@@ -358,16 +315,19 @@ def log_key(record):
 
 
 def relogged_table(pairs):
-    """Each run logged again with its stamp (--relog): its top-1 and random-init top-1 then and now."""
-    lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init (%): then, now | "
-             "logged again (UTC) |", "|---" * 8 + "|"]
+    """Each run logged again with its stamp (--relog): its top-1 and random-init top-1 then and
+    now."""
+    lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init "
+             "(%): then, now | logged again (UTC) |", "|---" * 8 + "|"]
     for old, new in pairs:
         base = (f"{old['random_init_top1']:.2f}, {new['random_init_top1']:.2f}"
                 if "random_init_top1" in old and "random_init_top1" in new else "—")
-        lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | {new['seed']} | "
-                     f"{old['top1']:.2f}, {new['top1']:.2f} | {new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
-    return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again yet "
-                                          "(`python extras/results.py --relog ...`).")
+        lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | "
+                     f"{new['seed']} | {old['top1']:.2f}, {new['top1']:.2f} | "
+                     f"{new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
+    return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again "
+                                           "yet (`python extras/experiments/results.py --relog "
+                                           "...`).")
 
 
 def unstamped_note(records):
@@ -376,19 +336,21 @@ def unstamped_note(records):
     if not records:
         return "Every line of the log is stamped."
     commands = "\n".join(f"{line} --relog" for line in reproducing_commands(records))
-    return (f"{len(records)} lines of the log were written before it held a time, commit and machine; their "
-            "figures are not published here. Each of these commands runs such lines again, stamped, and the "
-            f"tables above then show them:\n\n```bash\n{commands}\n```")
+    return (f"{len(records)} lines of the log were written before it held a time, commit and "
+            "machine; their figures are not published here. Each of these commands runs such "
+            "lines again, stamped, and the tables above then show "
+            f"them:\n\n```bash\n{commands}\n```")
 
 
 def generated_blocks(records, ledger=None):
-    """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes the
-    unstamped ones of its run, and the others are only listed (unstamped_note); the test uses from
-    the ledger (its path; default: the committed one)."""
+    """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes
+    the unstamped ones of its run, and the others are only listed (unstamped_note); the test uses
+    from the ledger (its path; default: the committed one)."""
     uses = provenance.ledger_table(provenance.read_ledger(ledger or COMMITTED_LEDGER),
                                    {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
-    blocks = {"relogged": relogged_table(relogged), "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
+    blocks = {"relogged": relogged_table(relogged),
+              "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
     records = [r for r in records if r.get("utc")]
     for phase in ("test", "val"):
         text = table(records, phase)
@@ -416,20 +378,26 @@ def refresh(markdown, blocks, tag="results.py"):
 
 def get_args_parser():
     p = argparse.ArgumentParser("results.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS), help="recipes to train and evaluate")
+    p.add_argument("--runs", nargs="+", default=[], choices=list(RUNS),
+                   help="recipes to train and evaluate")
     p.add_argument("--phase", default="test", choices=["val", "test"],
-                   help="val: train on 50k, evaluate on the held-out 10k train images; test: the reported numbers")
+                   help="val: train on 50k, evaluate on the held-out 10k train images; test: the "
+                        "reported numbers")
     p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
-    p.add_argument("--variant", default="recipe", help="name under which a variant (--extra) is logged")
+    p.add_argument("--variant", default="recipe",
+                   help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
     p.add_argument("--relog", action="store_true",
-                   help="run again the --runs and --seeds whose log lines have no timestamp (written before stamps "
-                        "existed): the stamped line replaces them in the tables, which show both figures")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"), help="output directories of the runs")
+                   help="run again the --runs and --seeds whose log lines have no timestamp "
+                        "(written before stamps existed): the stamped line replaces them in the "
+                        "tables, which show both figures")
+    p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"),
+                   help="output directories of the runs")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
                    help="one JSON line per (run, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
-                   help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from --log")
+                   help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from "
+                        "--log")
     p.add_argument("--ledger", default=str(provenance.LEDGER),
                    help="every test-phase run is appended here before it starts")
     p.add_argument("--reason", default="",
@@ -444,19 +412,23 @@ def main():
     if args.extra and args.variant == "recipe":
         sys.exit("error: name a variant (--variant NAME) for --extra flags")
     if flags_set_by(args.extra, RUN_PLACE_FLAGS):        # e.g. a test line trained with --holdout
-        sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, --seeds and --work_dir do")
+        sys.exit(f"error: --extra cannot set {', '.join(sorted(RUN_PLACE_FLAGS))}: --phase, "
+                 "--seeds and --work_dir do")
     if args.runs:
         provenance.check_log_writable(args.log)
         if args.phase == "test":
             provenance.check_log_writable(args.ledger, what="--ledger")
     logged = {}                 # key: whether one of its lines is stamped
-    for r in provenance.read_log(args.log, LOG_KEYS) if args.runs and Path(args.log).is_file() else []:
+    for r in provenance.read_log(args.log,
+                                 LOG_KEYS) if args.runs and Path(args.log).is_file() else []:
         logged[log_key(r)] = logged.get(log_key(r), False) or bool(r.get("utc"))
     for name in args.runs:
         for seed in args.seeds if name != "pixels" else [0]:
             key = (name, args.variant, args.phase, seed)
-            if key in logged and (logged[key] or not args.relog):     # a relaunch goes on where it stopped
-                print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped", flush=True)
+            # a relaunch goes on where it stopped
+            if key in logged and (logged[key] or not args.relog):
+                print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped",
+                      flush=True)
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
                                         args.work_dir, args.ledger, args.reason)
@@ -464,15 +436,19 @@ def main():
                 f.write(json.dumps(record) + "\n")
             if record.get("test_use"):
                 provenance.record_test_result(args.ledger, record["test_use"], record["top1"])
-            baseline = f" (random init {record['random_init_top1']:.2f}%)" if "random_init_top1" in record else ""
-            took = f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record else "resumed"
-            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 {record['top1']:.2f}%{baseline}, {took}", flush=True)
+            baseline = (f" (random init {record['random_init_top1']:.2f}%)"
+                        if "random_init_top1" in record else "")
+            took = (f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record
+                    else "resumed")
+            print(f"{name} {args.variant} {args.phase} seed {seed}: top-1 "
+                  f"{record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
         markdown = RESULTS_MD.read_text()
         refreshed = refresh(markdown, blocks)
         RESULTS_MD.write_text(refreshed)
-        print(f"{RESULTS_MD.relative_to(ROOT)}: {'refreshed' if refreshed != markdown else 'already up to date'}")
+        print(f"{RESULTS_MD.relative_to(ROOT)}: "
+              f"{'refreshed' if refreshed != markdown else 'already up to date'}")
 
 
 if __name__ == "__main__":

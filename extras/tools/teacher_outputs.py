@@ -14,7 +14,7 @@ outputs in use.
 Works on this repository's checkpoint.pth of DINO, EsViT, GLSD and SelfPatch (the image head on
 the global feature: DINO's CLS, the Swin's pooled tokens, SelfPatch's aggregated image token).
 
-    python extras/teacher_outputs.py \
+    python extras/tools/teacher_outputs.py \
         --pretrained_weights runs/results/dino_recipe_test_seed0/checkpoint.pth \
         --dataset fashion_mnist --crop 32 --resize 32 --max_images 2000
 """
@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# Run as `python extras/teacher_outputs.py` from anywhere: the project's modules sit one folder up.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as `python extras/tools/teacher_outputs.py` from anywhere: the project's modules sit two
+# folders up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The first GPU run in one command: every training script at paper size, the GPU-only paths, a
 summary.
 
-    python extras/gpu_check.py               # 1+ GPUs: 2.3 min on one H200, no download
-    python extras/gpu_check.py --device cpu  # the reduced form (tiny models, gloo) that
+    python extras/perf/gpu_check.py               # 1+ GPUs: 2.3 min on one H200, no download
+    python extras/perf/gpu_check.py --device cpu  # the reduced form (tiny models, gloo) that
                                              # tests/test_gpu_check.py runs
 
 Each part (docs/FIRST_GPU_RUN.md lists them and what each line should show) runs in its own
@@ -26,112 +26,17 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-
-TORCH_DIR = os.path.dirname(torch.__file__)
-# not the once-only 'Synchronization debug mode is a prototype'
-CUDA_SYNC = "called a synchronizing CUDA operation"
-# torch's reads of host tensors
-HOST_SIDE = tuple(os.path.join(TORCH_DIR, d, "") for d in ("optim", "amp"))
-aten = torch.ops.aten
-
-
-# ======== Host syncs, counted on any device =======================================================
-class SyncCounter(TorchDispatchMode):
-    """While active, counts what makes the host wait for a GPU: reading a tensor's value
-    (`.item()`, `bool()`, `float()`, `.tolist()`, `.numpy()`), operations whose output size depends
-    on the data (`nonzero`, boolean-mask indexing, `unique`, ...), and copies to or from the host
-    that do not say `non_blocking=True` (`torch.tensor(..., device=)`, `.to(device)`, `.cpu()`). On
-    a CPU every tensor lives on the host, so the counter counts what *would* wait on a GPU; it
-    leaves out torch's own reads in torch/optim (step counters kept on the host) and torch/amp (the
-    fp16 grad scaler's one per step, which CUDA's count shows). `sites` names the line of each
-    (file:line -> count). On CUDA it also takes CUDA's own count (`cuda`), from
-    `torch.cuda.set_sync_debug_mode`."""
-    DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
-                      aten.unique_dim.default, aten.unique_consecutive.default, aten.equal.default,
-                      aten.repeat_interleave.Tensor, aten.bincount.default,
-                      aten._local_scalar_dense.default}
-    BOOL_INDEXED = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self.sites = {}
-        self.saved = {}
-        self.cuda = None
-        self.cuda_sites = {}
-        self.caught = None
-
-    def note(self, cuda=False):
-        """One sync, named by the first line outside torch, the warnings module and this file that
-        made it: torch's own host-side reads are left out; CUDA's warnings (`cuda`) come from any
-        thread."""
-        frame = sys._getframe(2)
-        skipped = (TORCH_DIR, warnings.__file__, __file__)
-        while frame is not None and frame.f_code.co_filename.startswith(skipped):
-            if not cuda and frame.f_code.co_filename.startswith(HOST_SIDE):
-                return
-            frame = frame.f_back
-        site = ("?" if frame is None
-                else f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno}")
-        sites = self.cuda_sites if cuda else self.sites
-        sites[site] = sites.get(site, 0) + 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.DATA_DEPENDENT or (func in self.BOOL_INDEXED and any(
-                torch.is_tensor(i) and i.dtype == torch.bool for i in (args[1] or []))):
-            self.note()
-        return func(*args, **(kwargs or {}))
-
-    def patch(self, owner, name, counts):
-        original = self.saved[(owner, name)] = getattr(owner, name)
-
-        def counted(*args, **kwargs):  # torch's own calls of these keep tensors where they are
-            caller = sys._getframe(1).f_code.co_filename
-            if not caller.startswith(TORCH_DIR) and counts(*args, **kwargs):
-                self.note()
-            return original(*args, **kwargs)
-        setattr(owner, name, counted)
-
-    def __enter__(self):
-        def blocking_copy(_tensor, *args, **kwargs):
-            device, _dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-            return device is not None and not non_blocking
-        for name in ("tolist", "numpy", "cpu"):
-            self.patch(torch.Tensor, name, lambda *a, **k: True)
-        self.patch(torch.Tensor, "to", blocking_copy)
-        for name in ("tensor", "as_tensor"):
-            self.patch(torch, name, lambda *a, device=None, **k: device is not None)
-        if torch.cuda.is_initialized():  # and CUDA's count: a warning at every synchronising call
-            self.caught = warnings.catch_warnings()
-            shown = warnings.showwarning
-            self.caught.__enter__()
-            warnings.simplefilter("always")
-            warnings.showwarning = lambda msg, *a, **k: (
-                self.note(cuda=True) if CUDA_SYNC in str(msg) else shown(msg, *a, **k))
-            torch.cuda.set_sync_debug_mode(1)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for (owner, name), original in self.saved.items():
-            setattr(owner, name, original)
-        self.saved.clear()
-        self.count = sum(self.sites.values())
-        if self.caught:
-            torch.cuda.set_sync_debug_mode(0)
-            self.caught.__exit__(*exc)
-            self.caught = None
-            self.cuda = sum(self.cuda_sites.values())
-        return super().__exit__(*exc)
+# the host-sync counter and the parts, in this file's folder (on sys.path when it runs as a script)
+from sync_counter import CUDA_SYNC, SyncCounter  # noqa: E402,F401
+from gpu_parts import ARCH, FORMS, Part, check_commands, plan  # noqa: E402,F401
 
 
 # ======== In a part's process: a clock on the loader of train_one_epoch ===========================
@@ -225,107 +130,6 @@ def run_part(part, rank, port, out):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-# ======== The parts of each form ==================================================================
-@dataclass
-class Part:
-    name: str
-    script: str
-    argv: list
-    nproc: int = 1
-    needs: tuple = ()
-    env: dict = field(default_factory=dict)
-    sync_window: tuple = (0, 0)
-    preempt_at: int = -1
-    # a part whose checkpoint.pth is copied into this part's --output_dir first
-    start_from: str = None
-
-    def command(self):
-        return " ".join([*(f"{k}={v}" for k, v in self.env.items()), "torchrun --nproc_per_node",
-                         str(self.nproc), f"{self.script}.py", *self.argv])
-
-
-ARCH = {"dino": "vit", "esvit": "swin", "glsd": "swin", "selfpatch": "vit", "drloc": "swin"}
-FORMS = {
-    "gpu": dict(steps=25, warmup=5, syncs=5, preempt=10, size=256, eval_images=2048,
-                linear_epochs=5, pairs=["dino"], pair_steps=4,
-                # the scripts' defaults
-                batch={"dino": 64, "esvit": 32, "glsd": 32, "selfpatch": 64, "drloc": 128},
-                arch={"vit": ["--arch", "vit_small"], "swin": ["--arch", "swin_tiny"]}, ssl=[],
-                selfpatch=[], drloc=["--val_subset", "512"], eval=["--batch_size_per_gpu", "128"]),
-    "cpu": dict(steps=3, warmup=1, syncs=2, preempt=1, size=64, eval_images=64, linear_epochs=2,
-                batch=dict.fromkeys(ARCH, 8),
-                pairs=["dino", "esvit", "glsd", "selfpatch"], pair_steps=2, pair_batch=4,
-                arch={"vit": ["--arch", "vit_pico", "--patch_size", "8"],
-                      "swin": ["--arch", "swin_pico"]},
-                ssl=["--global_crop_size", "64", "--local_crop_size", "32",
-                     "--local_crops_number", "2", "--out_dim", "64",
-                     "--head_hidden_dim", "64", "--head_bottleneck_dim", "32"],
-                selfpatch=["--patch_out_dim", "64"],
-                drloc=["--input_size", "64", "--val_subset", "8"],
-                eval=["--batch_size_per_gpu", "16", "--resize", "64", "--crop", "64"]),
-}
-
-
-def plan(form, gpus, out):
-    """The parts of the GPU form (`gpus` GPUs) or of the CPU form, writing under `out`."""
-    f = FORMS[form]
-    out = Path(out)
-    device = ["--device", "cpu", "--num_workers", "0"] if form == "cpu" else []
-    data = ["--dataset", "synthetic", "--synthetic_image_size", str(f["size"])]
-
-    def train(method, name=None, steps=f["steps"], epochs=2, batch=None, extra=(), images=None,
-              **kw):
-        batch = batch or f["batch"][method]
-        argv = [*f["arch"][ARCH[method]], *data,
-                "--synthetic_images", str(images or batch * steps),
-                "--batch_size_per_gpu", str(batch), "--epochs", str(epochs),
-                "--max_steps_per_epoch", str(steps), "--warmup_epochs", "1",
-                "--precision", "auto", "--saveckp_freq", "0",
-                "--output_dir", str(out / (name or method)), *device,
-                *(f["drloc"] + ["--lambda_schedule", "constant"] if method == "drloc"
-                  else f["ssl"]),
-                *(f["selfpatch"] if method == "selfpatch" else []), *extra]
-        return Part(name or method, method, argv, **kw)
-
-    parts = [train(m, sync_window=(f["warmup"], f["warmup"] + f["syncs"])) for m in ARCH]
-    parts += [train("dino", "dino_preempted", preempt_at=f["preempt"]),
-              train("dino", "dino_resumed", needs=("dino", "dino_preempted"),
-                    start_from="dino_preempted"),
-              train("dino", "dino_fp16", epochs=3, needs=("dino",), start_from="dino",
-                    extra=["--precision", "fp16"])]
-    weights = ["--pretrained_weights", str(out / "dino" / "checkpoint.pth"), *data,
-               "--synthetic_images", str(f["eval_images"]), *f["eval"], *device]
-    ranks = min(gpus, 2) if gpus else 2
-    parts += [Part("eval_knn", "eval_knn", [*weights, "--nb_knn", "5", "20"], ranks,
-                   needs=("dino",)),
-              Part("eval_linear", "eval_linear",
-                   [*weights, "--precomputed_features", "true", "--epochs",
-                    str(f["linear_epochs"]), "--output_dir", str(out / "eval_linear")], ranks,
-                   needs=("dino",)),
-              train("glsd", "glsd_batched", epochs=1, extra=["--batched_crops", "true"])]
-    # fp32 without TF32: rounding apart only
-    for method in f["pairs"] if form == "cpu" or gpus >= 2 else []:
-        batch = f.get("pair_batch") or f["batch"][method]
-        same = dict(steps=f["pair_steps"], epochs=1, images=2 * batch * f["pair_steps"],
-                    batch=batch, env={"NVIDIA_TF32_OVERRIDE": "0"},
-                    extra=["--drop_path_rate", "0", "--precision", "fp32"])
-        parts += [train(method, f"{method}_one_process", **{**same, "batch": 2 * batch}),
-                  train(method, f"{method}_two_processes", nproc=2,
-                        needs=(f"{method}_one_process",), **same)]
-    return parts
-
-
-def check_commands(parts):
-    """Parse every part's flags with its script's own parser: a wrong flag stops here, not after
-    minutes."""
-    for part in parts:
-        parser = importlib.import_module(part.script).get_args_parser()
-        parser.exit = lambda status=0, message=None: common.die(
-            f"part {part.name}: {(message or '').strip()}")
-        parser.error = lambda message: common.die(f"part {part.name}: {part.script}.py {message}")
-        parser.parse_args(part.argv)
 
 
 # ======== Running the parts: forked processes, torchrun's environment, a timeout ==================
