@@ -21,7 +21,8 @@ import teacher_outputs  # noqa: E402
 
 def test_unusual_image_modes_are_converted(tmp_path):
     make_folder(tmp_path / "data", bad=False)
-    r = run_here("dino.py", *FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"))
+    r = run_here("dino.py", *FOLDER_ARGS, "--data_path", str(tmp_path / "data"), "--output_dir",
+                 str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -31,7 +32,8 @@ def test_knn_on_a_val_split_with_fewer_classes_is_right(tmp_path):
     image_folder(tmp_path / "train", ["a", "b"])
     (tmp_path / "val").mkdir()
     shutil.copytree(tmp_path / "train" / "b", tmp_path / "val" / "b")
-    r = run_here("eval_knn.py", *EVAL, "--dataset", "folder", "--data_path", str(tmp_path), "--nb_knn", "1")
+    r = run_here("eval_knn.py", *EVAL, "--dataset", "folder", "--data_path", str(tmp_path),
+                 "--nb_knn", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "1-NN classifier result: top-1 100.00%" in r.stdout
 
@@ -58,38 +60,42 @@ def test_hidden_folders_and_files_are_no_class_and_no_image(tmp_path):
     image_folder(tmp_path / "train", ["a", "b"])
     image_folder(tmp_path / "train" / ".ipynb_checkpoints", ["x"])
     shutil.copy(tmp_path / "train" / "a" / "0.png", tmp_path / "train" / "b" / "._0.png")
-    train = common.build_dataset(Namespace(dataset="folder", data_path=str(tmp_path), holdout=0), train=True)
+    train = common.build_dataset(Namespace(dataset="folder", data_path=str(tmp_path), holdout=0),
+                                 train=True)
     assert train.classes == ["a", "b"] and len(train) == 8
 
 
 def test_a_fifo_in_an_image_folder_is_not_listed(tmp_path):
     image_folder(tmp_path / "train", ["a", "b"])
     os.mkfifo(tmp_path / "train" / "a" / "pipe.png")          # reading it would block for ever
-    train = common.build_dataset(Namespace(dataset="folder", data_path=str(tmp_path), holdout=0), train=True)
+    train = common.build_dataset(Namespace(dataset="folder", data_path=str(tmp_path), holdout=0),
+                                 train=True)
     assert len(train) == 8 and not any("pipe" in path for path, _ in train.samples)
 
 
-def test_evaluating_a_holdout_leaves_unreadable_images_out_instead_of_substituting(tmp_path, capsys):
+def test_evaluating_a_holdout_leaves_unreadable_images_out_instead_of_substituting(tmp_path,
+                                                                                   capsys):
     """With --holdout the evaluation splits are subsets of one image folder: an unreadable image
     is still left out, not replaced by its neighbour with the neighbour's label."""
     data = image_folder(tmp_path / "data", ["a", "b"], per_class=6)
     (data / "b" / "5.png").write_bytes(b"not an image")
-    args = parse(eval_knn, [*EVAL, "--dataset", "folder", "--data_path", str(data), "--skip_bad_images",
-                            "--holdout", "4", "--nb_knn", "2"])
+    args = parse(eval_knn, [*EVAL, "--dataset", "folder", "--data_path", str(data),
+                            "--skip_bad_images", "--holdout", "4", "--nb_knn", "2"])
     eval_knn.main(args)
     assert "k-NN over 8 train and 3 test images" in capsys.readouterr().out
 
 
-def test_extras_leave_an_unreadable_image_out_instead_of_counting_its_neighbour_twice(tmp_path, patch8_checkpoint,
-                                                                                      capsys):
+def test_extras_leave_an_unreadable_image_out_instead_of_counting_its_neighbour_twice(
+        tmp_path, patch8_checkpoint, capsys):
     data = image_folder(tmp_path / "data" / "val", ["a", "b"], per_class=2).parent
     (data / "val" / "a" / "1.png").write_bytes(b"not an image")
-    flags = ["--pretrained_weights", str(patch8_checkpoint), "--dataset", "folder", "--data_path", str(data),
-             "--skip_bad_images"]
+    flags = ["--pretrained_weights", str(patch8_checkpoint), "--dataset", "folder", "--data_path",
+             str(data), "--skip_bad_images"]
     teacher_outputs.main(parse(teacher_outputs, [*flags, "--crop", "32", "--resize", "32"]))
     assert "3 images (1 unreadable, left out)" in capsys.readouterr().out
-    results = eval_correspondence.main(parse(eval_correspondence, [*flags, "--crop_size", "32", "--protocols", "glsd",
-                                                                   "--num_workers", "0", "--device", "cpu"]))
+    argv = [*flags, "--crop_size", "32", "--protocols", "glsd", "--num_workers", "0", "--device",
+            "cpu"]
+    results = eval_correspondence.main(parse(eval_correspondence, argv))
     assert results["glsd"]["pairs"] == 3
 
 

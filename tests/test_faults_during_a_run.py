@@ -25,8 +25,9 @@ import builtins, os, runpy, sys
 sys.path.insert(0, os.getcwd())
 import common
 if os.environ.get("RANK", "0") == "0":
-    common.open = lambda path, mode="r", *a, **k: (builtins.open("/dev/full", "wb") if ".tmp" in str(path)
-                                                   else builtins.open(path, mode, *a, **k))
+    common.open = lambda path, mode="r", *a, **k: (
+        builtins.open("/dev/full", "wb") if ".tmp" in str(path)
+        else builtins.open(path, mode, *a, **k))
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -38,33 +39,41 @@ def test_an_error_on_one_torchrun_rank_stops_the_others_in_one_line(tmp_path):
     rank 0's error as the root cause."""
     driver = tmp_path / "full_disk.py"
     driver.write_text(FULL_DISK_ON_RANK_0)
-    r = run(*TORCHRUN, str(driver), "dino.py", *TINY, "--output_dir", str(tmp_path / "out"), timeout=120)
+    r = run(*TORCHRUN, str(driver), "dino.py", *TINY, "--output_dir", str(tmp_path / "out"),
+            timeout=120)
     assert r.returncode != 0
     rank0 = f"error: cannot write {tmp_path / 'out' / 'checkpoint.pth'}: No space left on device"
-    assert rank0 in r.stderr and "error: process 1 stops because another process of this run has stopped" in r.stderr
-    assert r.stderr.count("Traceback") == 1 and f"traceback : {rank0}" in r.stderr.split("Root Cause")[1]
+    others = "error: process 1 stops because another process of this run has stopped"
+    assert rank0 in r.stderr and others in r.stderr
+    assert (r.stderr.count("Traceback") == 1
+            and f"traceback : {rank0}" in r.stderr.split("Root Cause")[1])
 
 
 def test_a_killed_loader_worker_is_one_line_and_the_run_resumes(tmp_path):
     flags = [*TINY, "--max_steps_per_epoch", "0", "--output_dir", str(tmp_path)]
-    proc = subprocess.Popen([sys.executable, "dino.py", *flags, "--epochs", "50", "--num_workers", "1"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen([sys.executable, "dino.py", *flags, "--epochs", "50", "--num_workers",
+                             "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
-    while not (tmp_path / "checkpoint.pth").exists() and time.time() < deadline:     # after the first epoch
+    # after the first epoch
+    while not (tmp_path / "checkpoint.pth").exists() and time.time() < deadline:
         time.sleep(0.2)
     workers = descendants(proc.pid)
     assert workers, "no loader worker"
     for worker in workers:
-        os.kill(worker, signal.SIGKILL)                   # as the kernel's out-of-memory killer does
+        # as the kernel's out-of-memory killer does
+        os.kill(worker, signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
-    last = one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "a data loader worker (pid")
-    assert "(most likely the kernel's out-of-memory killer; its own error, if any, is above)" in last
+    last = one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                          "a data loader worker (pid")
+    assert ("(most likely the kernel's out-of-memory killer; its own error, if any, is above)"
+            in last)
     assert "run the same command with fewer --num_workers (now 1) to resume" in last
     assert f"the last checkpoint is {tmp_path / 'checkpoint.pth'}" in last
     epoch = torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"]
     again = run("dino.py", *flags, "--epochs", str(epoch + 1), "--num_workers", "0")
-    assert again.returncode == 0 and f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {epoch}" in again.stdout
+    assert (again.returncode == 0
+            and f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {epoch}" in again.stdout)
 
 
 def test_a_dead_workers_error_starts_its_own_line_after_a_bar_cut_short(monkeypatch, capsys):
@@ -78,7 +87,8 @@ def test_a_dead_workers_error_starts_its_own_line_after_a_bar_cut_short(monkeypa
     def main(args):
         raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
     previous = signal.getsignal(signal.SIGCHLD)
-    monkeypatch.setattr(common, "dead_loader_worker", lambda wait: "(pid 4242) was killed by SIGKILL")
+    monkeypatch.setattr(common, "dead_loader_worker",
+                        lambda wait: "(pid 4242) was killed by SIGKILL")
     try:
         with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\)"):
             common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
@@ -106,8 +116,9 @@ def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeyp
     previous = signal.getsignal(signal.SIGCHLD)
     try:
         monkeypatch.setattr(common, "_loader_workers", [FakeWorker(None), FakeWorker(-9)])
-        with pytest.raises(SystemExit, match=r"^error: a data loader worker \(pid 4242\) was killed by "
-                                             r"SIGKILL \(most likely the kernel's out-of-memory killer"):
+        with pytest.raises(SystemExit,
+                           match=r"^error: a data loader worker \(pid 4242\) was killed by "
+                                 r"SIGKILL \(most likely the kernel's out-of-memory killer"):
             common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
         monkeypatch.setattr(common, "_loader_workers", [FakeWorker(None)])
         with pytest.raises(ConnectionResetError):
@@ -133,8 +144,8 @@ def test_out_of_memory_is_one_line_naming_the_batch(error, reason):
     parser.add_argument("--batch_size_per_gpu", type=int, default=64)
     with pytest.raises(SystemExit) as stop:
         common.run_script(common.one_line_exits(main), parser, argv=[])
-    assert stop.value.code == (f"error: out of memory ({reason}); lower --batch_size_per_gpu (now 64) "
-                               f"or the crop and image sizes")
+    assert stop.value.code == (f"error: out of memory ({reason}); lower --batch_size_per_gpu "
+                               f"(now 64) or the crop and image sizes")
 
 
 def test_an_error_that_is_not_memory_keeps_its_traceback():
@@ -147,28 +158,35 @@ def test_an_error_that_is_not_memory_keeps_its_traceback():
 
 
 def test_nonfinite_loss_error_is_the_last_line(tmp_path):
-    r = run_here("dino.py", *TINY, "--max_steps_per_epoch", "2", "--lr", "1e30", "--clip_grad", "0", "--warmup_epochs",
-                 "0", "--optimizer", "sgd", "--output_dir", str(tmp_path), merge=True)     # as 2>&1: bars and lines
+    # merge: as 2>&1, bars and lines
+    r = run_here("dino.py", *TINY, "--max_steps_per_epoch", "2", "--lr", "1e30", "--clip_grad", "0",
+                 "--warmup_epochs", "0", "--optimizer", "sgd", "--output_dir", str(tmp_path),
+                 merge=True)
     assert r.returncode == 1
     lines = [line for line in r.stdout.replace("\r", "\n").splitlines() if line.strip()]
-    assert lines[-2].startswith("error: the loss is") and lines[-1].startswith("Likely causes:"), lines[-3:]
+    assert (lines[-2].startswith("error: the loss is")
+            and lines[-1].startswith("Likely causes:")), lines[-3:]
 
 
 def test_ctrl_c_names_the_last_checkpoint_without_a_traceback(tmp_path):
     args = [*TINY, "--epochs", "50", "--max_steps_per_epoch", "0", "--output_dir", str(tmp_path)]
     # A shell without job control starts background commands with SIGINT ignored, and Python then
-    # installs no KeyboardInterrupt handler: give the child the default disposition a terminal gives.
+    # installs no KeyboardInterrupt handler: give the child the default disposition a terminal
+    # gives.
     proc = subprocess.Popen([sys.executable, "dino.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
-    while not (tmp_path / "checkpoint.pth").exists() and time.time() < deadline:   # after the first epoch
+    # after the first epoch
+    while not (tmp_path / "checkpoint.pth").exists() and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert (proc.returncode == 130 and "Traceback" not in err
+            and "KeyboardInterrupt" not in err), err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"interrupted (Ctrl-C): the last checkpoint is {tmp_path / 'checkpoint.pth'}"), last
+    checkpoint = tmp_path / "checkpoint.pth"
+    assert last.startswith(f"interrupted (Ctrl-C): the last checkpoint is {checkpoint}"), last
     assert "run the same command again to resume" in last
 
 
@@ -176,9 +194,10 @@ def test_fp16_overflow_is_skipped_by_the_grad_scaler_without_stopping(tmp_path, 
     """Issue: "fp16 overflow is handled by the grad scaler without stopping". fp16 autocast runs on
     CPU (slowly) for this test: every step overflows, is skipped, and the scale halves."""
     # a grad scaler that starts at a scale that makes every gradient overflow
-    monkeypatch.setattr(common, "make_grad_scaler",
-                        lambda device, precision: torch.amp.GradScaler(device.type, init_scale=2.0 ** 40))
-    result = run_here("dino.py", *tiny(epochs="1"), "--precision", "fp16", "--output_dir", str(tmp_path))
+    monkeypatch.setattr(common, "make_grad_scaler", lambda device,
+                        precision: torch.amp.GradScaler(device.type, init_scale=2.0 ** 40))
+    result = run_here("dino.py", *tiny(epochs="1"), "--precision", "fp16", "--output_dir",
+                      str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     ckpt = load(tmp_path / "checkpoint.pth")
     assert ckpt["scaler"]["scale"] == 2.0 ** 40 / 2 ** 3          # 3 steps, 3 overflows

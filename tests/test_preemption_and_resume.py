@@ -27,7 +27,8 @@ def test_resume_at_epoch_boundary_is_bit_identical(dino_uninterrupted, tmp_path)
     result = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "epoch 1, step 0" in result.stdout
-    assert_same_state(load(dino_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
+    assert_same_state(load(dino_uninterrupted / "checkpoint.pth"),
+                      load(tmp_path / "checkpoint.pth"))
 
 
 def test_resume_mid_epoch_is_bit_identical(dino_uninterrupted, tmp_path, monkeypatch):
@@ -36,13 +37,15 @@ def test_resume_mid_epoch_is_bit_identical(dino_uninterrupted, tmp_path, monkeyp
         stop_at_check(patch, 2)
         first = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "received SIGTERM (simulated)" in first.stdout and "run the same command again to resume" in first.stdout
+    assert ("received SIGTERM (simulated)" in first.stdout
+            and "run the same command again to resume" in first.stdout)
     ckpt = load(tmp_path / "checkpoint.pth")
     assert (ckpt["epoch"], ckpt["step"]) == (0, 2)
     second = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "epoch 0, step 2" in second.stdout
-    assert_same_state(load(dino_uninterrupted / "checkpoint.pth"), load(tmp_path / "checkpoint.pth"))
+    assert_same_state(load(dino_uninterrupted / "checkpoint.pth"),
+                      load(tmp_path / "checkpoint.pth"))
 
 
 def test_save_every_iters_writes_mid_epoch_checkpoints(tmp_path, monkeypatch):
@@ -64,9 +67,10 @@ def test_two_processes_equal_one_process(tmp_path):
     """torchrun --nproc_per_node=2 with batch b per process == one process with batch 2b
     (same data order and crops, averaged gradients, all-reduced centers); drop path off."""
     args = tiny(drop_path_rate="0", epochs="1")
-    two = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "dino.py", *args,
-                "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two"))
-    one = run_here("dino.py", *args, "--batch_size_per_gpu", "8", "--output_dir", str(tmp_path / "one"))  # meanwhile
+    two = start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "dino.py",
+                *args, "--batch_size_per_gpu", "4", "--output_dir", str(tmp_path / "two"))
+    one = run_here("dino.py", *args, "--batch_size_per_gpu", "8", "--output_dir",
+                   str(tmp_path / "one"))  # meanwhile
     two = finish(two)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
@@ -80,9 +84,12 @@ def test_two_processes_equal_one_process(tmp_path):
 
 def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted, tmp_path):
     shutil.copy(dino_uninterrupted / "checkpoint.pth", tmp_path / "checkpoint.pth")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".checkpoint.pth.tmp{int(dead.stdout)}"      # left by a `kill -9` during a save
-    alive = tmp_path / f".checkpoint.pth.tmp{os.getppid()}"           # another live process's save in progress: kept
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)
+    # left by a `kill -9` during a save
+    stale = tmp_path / f".checkpoint.pth.tmp{int(dead.stdout)}"
+    # another live process's save in progress: kept
+    alive = tmp_path / f".checkpoint.pth.tmp{os.getppid()}"
     stale.write_bytes(b"partial")
     alive.write_bytes(b"partial")
     r = run_here("dino.py", *DINO_TINY, "--output_dir", str(tmp_path))
@@ -91,37 +98,46 @@ def test_stale_checkpoint_temporaries_are_removed_at_start_up(dino_uninterrupted
     assert f"removed {stale}" in r.stdout
 
 
-SSL_FLAGS = {"dino": TINY, "esvit": TINY, "glsd": TINY,
-             "selfpatch": [*TINY, "--patch_size", "8", "--local_crop_size", "24", "--patch_out_dim", "32"]}
+SSL_FLAGS = {"dino": TINY, "esvit": TINY, "glsd": TINY, "selfpatch": [*TINY, "--patch_size", "8",
+                                                                      "--local_crop_size", "24",
+                                                                      "--patch_out_dim", "32"]}
 
 
 def preempted_after_first_epoch(monkeypatch, output_dir):
     """A preemption signal arrives once the first epoch's checkpoint is written."""
-    monkeypatch.setattr(common, "preemption_requested", lambda device: (output_dir / "checkpoint.pth").exists())
+    monkeypatch.setattr(common, "preemption_requested",
+                        lambda device: (output_dir / "checkpoint.pth").exists())
 
 
 @pytest.mark.parametrize("method", ["dino", "esvit", "glsd", "selfpatch", "drloc"])
-def test_lowering_epochs_to_those_trained_writes_what_the_done_line_names(tmp_path, monkeypatch, capsys, method):
+def test_lowering_epochs_to_those_trained_writes_what_the_done_line_names(tmp_path, monkeypatch,
+                                                                          capsys, method):
     module = importlib.import_module(method)
-    flags = [*(DRLOC_TINY if method == "drloc" else SSL_FLAGS[method]), "--output_dir", str(tmp_path)]
+    flags = [*(DRLOC_TINY if method == "drloc" else SSL_FLAGS[method]), "--output_dir",
+             str(tmp_path)]
     with monkeypatch.context() as patched:
         preempted_after_first_epoch(patched, tmp_path)
         with pytest.raises(SystemExit) as stop:
             module.main(parse(module, [*flags, "--epochs", "3"]))
-    assert stop.value.code == 0 and torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 1
-    backbone_file, network = ("backbone.pth", "model") if method == "drloc" else ("teacher_backbone.pth", "teacher")
+    assert stop.value.code == 0 and torch.load(tmp_path / "checkpoint.pth",
+                                               weights_only=True)["epoch"] == 1
+    backbone_file, network = ("backbone.pth",
+                              "model") if method == "drloc" else ("teacher_backbone.pth", "teacher")
     assert not (tmp_path / backbone_file).exists()
     started = time.time_ns()
     capsys.readouterr()
-    module.main(parse(module, [*flags, "--epochs", "1"]))     # the epoch already trained: nothing left to train
+    # the epoch already trained: nothing left to train
+    module.main(parse(module, [*flags, "--epochs", "1"]))
     lines = capsys.readouterr().out.strip().splitlines()
-    assert any(line.startswith(f"nothing left to train: {tmp_path / 'checkpoint.pth'} has trained all 1 epochs")
-               for line in lines), lines[-3:]
+    done = f"nothing left to train: {tmp_path / 'checkpoint.pth'} has trained all 1 epochs"
+    assert any(line.startswith(done) for line in lines), lines[-3:]
     named = Path(lines[-1].split(": ")[-1])
-    assert lines[-1].startswith("done;") and named.parent == tmp_path and named.stat().st_mtime_ns >= started
+    assert (lines[-1].startswith("done;") and named.parent == tmp_path
+            and named.stat().st_mtime_ns >= started)
     ckpt = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     backbone = torch.load(tmp_path / backbone_file, weights_only=True)
-    assert ckpt["epoch"] == 1 and backbone.keys() == {k[9:] for k in ckpt[network] if k.startswith("backbone.")}
+    assert ckpt["epoch"] == 1
+    assert backbone.keys() == {k[9:] for k in ckpt[network] if k.startswith("backbone.")}
     assert all(torch.equal(v, ckpt[network][f"backbone.{k}"]) for k, v in backbone.items())
 
 
@@ -148,7 +164,8 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
                        "--output_dir", str(tmp_path))
     # a different --epochs changes the schedules, but the run must still load and continue
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {ckpt['epoch']}, step {ckpt['step']}" in resumed.stdout
+    assert (f"resumed from {tmp_path / 'checkpoint.pth'} at epoch {ckpt['epoch']}, "
+            f"step {ckpt['step']}" in resumed.stdout)
 
 
 def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes(tmp_path):
@@ -157,8 +174,8 @@ def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resume
     args = [*tiny(max_steps_per_epoch="0", epochs="50", synthetic_images="64", num_workers="2"),
             "--output_dir", str(tmp_path)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen([*torchrun, "dino.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV, start_new_session=True)
+    proc = subprocess.Popen([*torchrun, "dino.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
     for line in proc.stdout:
         if line.startswith("data:"):
             break
@@ -173,8 +190,8 @@ def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resume
     ckpt = load(tmp_path / "checkpoint.pth")
     assert ckpt["epoch"] < 50 and len(ckpt["rng"]) == 2
     end = str(ckpt["epoch"] + 1)
-    resumed = subprocess.run([*torchrun, "dino.py", *args, "--epochs", end], cwd=ROOT, capture_output=True, text=True,
-                             timeout=300, env=ENV)
+    resumed = subprocess.run([*torchrun, "dino.py", *args, "--epochs", end], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at epoch {ckpt['epoch']}, step {ckpt['step']}" in resumed.stdout
     assert load(tmp_path / "checkpoint.pth")["epoch"] == int(end)
@@ -196,13 +213,16 @@ common.run_script(dino.main, dino.get_args_parser(), {argv!r})
 def test_sigterm_ends_a_step_blocked_on_a_read_within_the_grace_period(tmp_path):
     image_folder(tmp_path / "data" / "train", ["a", "b"])
     os.mkfifo(tmp_path / "fifo")
-    argv = [*on_folder(TINY, tmp_path / "data"), "--epochs", "2", "--output_dir", str(tmp_path / "out")]
+    argv = [*on_folder(TINY, tmp_path / "data"), "--epochs", "2", "--output_dir",
+            str(tmp_path / "out")]
     checkpoint = tmp_path / "out" / "checkpoint.pth"
     code = BLOCKED_STEP.format(root=str(ROOT), fifo=str(tmp_path / "fifo"), argv=argv,
                                checkpoint=str(checkpoint))
-    job = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env={**ENV, "PREEMPTION_GRACE_SECONDS": "2"})
-    for line in job.stdout:                # epoch 0 is checkpointed: epoch 1's first step is reading
+    job = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**ENV,
+                                                                   "PREEMPTION_GRACE_SECONDS": "2"})
+    # epoch 0 is checkpointed: epoch 1's first step is reading
+    for line in job.stdout:
         if "epoch=0" in line:
             break
     time.sleep(0.5)
@@ -215,7 +235,8 @@ def test_sigterm_ends_a_step_blocked_on_a_read_within_the_grace_period(tmp_path)
         pytest.fail("the run was still alive 30 s after SIGTERM")
     assert job.returncode == 1 and "Traceback" not in err, err[-2000:]
     line = err.strip().splitlines()[-1]
-    assert line.startswith("error: received SIGTERM, but the step did not reach its checkpoint within 2 s")
+    assert line.startswith("error: received SIGTERM, but the step did not reach its checkpoint "
+                           "within 2 s")
     assert "(a read that never returns?); the last checkpoint, if any, is kept" in line
     assert line.endswith("run the same command again to resume"), line
     assert checkpoint.exists()
@@ -241,10 +262,11 @@ def running(pid):
 
 
 def test_workers_end_when_the_torchrun_launcher_is_killed(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                 "1", str(ROOT / "dino.py"), *TINY, "--epochs", "100000", "--output_dir",
-                                 str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=ENV)
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc_per_node", "1", str(ROOT / "dino.py"), *TINY, "--epochs",
+                                 "100000", "--output_dir", str(tmp_path / "out")],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=ENV)
     for line in launcher.stdout:           # the worker trains
         if line.startswith("data:"):
             break
