@@ -162,7 +162,8 @@ def train_tiny(out, *extra):
 
 def stop_at_check(monkeypatch, n):
     """For `run_here`: the n-th preemption check finds a (simulated) SIGTERM."""
-    real, calls = common.preemption_requested, [0]
+    real = common.preemption_requested
+    calls = [0]
 
     def preemption_requested(device):
         calls[0] += 1
@@ -181,7 +182,8 @@ def descendants(pid):
         except (OSError, IndexError):
             continue
         parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
+    found = []
+    todo = [pid]
     while todo:
         children = parents.get(todo.pop(), [])
         found += children
