@@ -20,7 +20,7 @@ import common  # noqa: E402
 import eval_correspondence as ec  # noqa: E402
 import glsd  # noqa: E402
 import visualize  # noqa: E402
-from test_reliability import finish, one_thread, start  # noqa: E402
+from conftest import finish, one_thread, start  # noqa: E402
 
 TINY = ["--random_init", "--arch", "vit_pico", "--patch_size", "8", "--dataset", "synthetic",
         "--synthetic_images", "96", "--synthetic_image_size", "32", "--crop_size", "32",

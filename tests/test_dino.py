@@ -1,6 +1,7 @@
 """DINO: the loss against a naive statement of Eq. 3 and the authors' numbers, the center, the
 training step's wiring (teacher inputs, frozen last layer), and a real run with resume (through
-dino.py's entry point in this process; tests/test_reliability.py runs it as a process)."""
+dino.py's entry point in this process; tests/test_preemption_and_resume.py runs it as a
+process)."""
 import json
 import math
 import os
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dino  # noqa: E402
-from test_reliability import run_here  # noqa: E402
+from conftest import run_here  # noqa: E402
 
 # Inputs and outputs of the authors' main_dino.DINOLoss (facebookresearch/dino @ 7c446df5).
 REFERENCE = torch.load(ROOT / "tests/data/dino_loss_reference.pt", weights_only=True)

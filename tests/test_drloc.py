@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import drloc  # noqa: E402
-from test_reliability import (ENV, assert_same_state, assert_same_trajectory, finish, load, make_folder, run,  # noqa: E402
-                              run_here, start)
+from conftest import (ENV, assert_same_state, assert_same_trajectory, finish, load,  # noqa: E402
+                      make_folder, run, run_here, start)
 
 # Inputs and outputs of the authors' code, yhlleo/VTs-Drloc @ 6ac2c447 (drloc/aux_modules.py
 # DenseRelativeLoc, drloc/losses.py relative_constraint_l1/ce/cbr and cal_selfsupervised_loss,
@@ -382,7 +382,7 @@ def test_pretrained_loads_official_swin_keys_and_this_repos_checkpoints(tmp_path
 
 # ------------------------------------------------------------------------------------------------
 # Real runs (subprocess, CPU) and reliability: exact resume, preemption, a crash mid-write,
-# 1 vs 2 processes, bad images (the DINO versions are in test_reliability.py, whose helpers these reuse)
+# 1 vs 2 processes, bad images (the DINO versions: test_preemption_and_resume.py, test_refusals.py)
 # ------------------------------------------------------------------------------------------------
 TINY = ["--dataset", "synthetic", "--synthetic_images", "32", "--synthetic_image_size", "64", "--arch", "swin_pico",
         "--input_size", "64", "--batch_size_per_gpu", "8", "--max_steps_per_epoch", "2", "--num_workers", "0",

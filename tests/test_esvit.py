@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
-from test_reliability import one_thread, run_here  # noqa: E402
+from conftest import one_thread, run_here  # noqa: E402
 
 # Inputs and outputs of the authors' main_esvit.DDINOLoss / DINOLoss (microsoft/esvit @ 2d6becd9),
 # copied from the reference file esvit_glsd.pt (see the file's "meta"/"source").

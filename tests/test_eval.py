@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import eval_linear  # noqa: E402
-from test_reliability import finish, one_thread, run_here, start  # noqa: E402
+from conftest import finish, one_thread, run_here, start  # noqa: E402
 
 sys.path.append(str(ROOT / "extras" / "tools"))
 import teacher_outputs  # noqa: E402

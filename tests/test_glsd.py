@@ -18,7 +18,7 @@ import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
 import glsd  # noqa: E402
-from test_reliability import run_here  # noqa: E402
+from conftest import run_here  # noqa: E402
 
 # Inputs and outputs of the authors' GLSD DINOLoss / DDINOLoss (tileb1/global-local-self-distillation
 # @ 7de2526c; 'distance' = geometric), copied from the reference file esvit_glsd.pt (see "meta"/"source").

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "extras" / "perf"))
 import common  # noqa: E402
 import esvit  # noqa: E402
 import head_precision  # noqa: E402
-from test_reliability import run_here  # noqa: E402
+from conftest import run_here  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -1,45 +1,42 @@
-"""The output folder's files: never written through a link planted there, records that survive a
-failure between the epoch's log line and its checkpoint, and files that cannot be written."""
+"""The output folder: one run at a time (the kernel's `flock` on `.lock`, which a killed run
+releases and which is never deleted), and records that survive a failure between an epoch's log
+line and its checkpoint, or a cut last line. Its refusals (a link planted there, a file that
+cannot be written) are in test_refusals.py."""
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import common  # noqa: E402
-import dino  # noqa: E402
-
-TINY = ["--arch", "vit_pico", "--patch_size", "8", "--out_dim", "32", "--head_hidden_dim", "32",
-        "--head_bottleneck_dim", "16", "--dataset", "synthetic", "--synthetic_images", "8",
-        "--synthetic_image_size", "32", "--global_crop_size", "32", "--local_crop_size", "16",
-        "--local_crops_number", "2", "--batch_size_per_gpu", "4", "--num_workers", "0",
-        "--epochs", "1", "--warmup_epochs", "0", "--max_steps_per_epoch", "1", "--device", "cpu",
-        "--precision", "fp32"]
+from conftest import TINY, run_here, train_tiny, hold_lock, log_records
+import common
 
 
-def train(out, *extra):
-    args = dino.get_args_parser().parse_args([*TINY, "--output_dir", str(out), *extra])
-    dino.main(args)
-
-
-def records(out):
-    return [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
-
-
-@pytest.mark.parametrize("name", [".lock", "args.json", "log.txt"])
-def test_a_link_planted_in_the_output_folder_is_refused_and_its_target_untouched(tmp_path, name):
-    precious = tmp_path / "precious"
-    precious.write_text("keep me")
+def test_the_lock_file_of_an_ended_run_is_no_lock_and_is_never_deleted(tmp_path):
+    """The lock is the kernel's `flock`, not the file: a file left by a killed run (any content)
+    is taken over, and the file stays (a deleted lock file could be locked twice)."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / name).symlink_to(precious)
-    with pytest.raises(SystemExit, match=f"{out / name}.*symbolic link"):
-        train(out)
-    assert precious.read_text() == "keep me" and (out / name).is_symlink()
+    (out / ".lock").write_text("pid 4321 on host elsewhere")
+    r = run_here("dino.py", *TINY, "--output_dir", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / ".lock").exists() and (out / "checkpoint.pth").exists()
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_and_a_live_one_refused_in_process(tmp_path):
+    """The lock is the kernel's (flock): held while its process lives, released however it dies
+    (kill -9, a node failure on NFS: the server drops the dead client's locks), so no pid or host
+    has to be checked; a lock this process already holds is its own (main() called twice)."""
+    holder = hold_lock(tmp_path)
+    try:
+        with pytest.raises(SystemExit, match=f"in use by another run \\(pid {holder.pid} on host"):
+            common.claim_output_dir(tmp_path, "dino.py")
+    finally:
+        holder.kill()
+        holder.wait()
+    common.claim_output_dir(tmp_path, "dino.py")             # the killed holder's lock is free
+    common.claim_output_dir(tmp_path, "dino.py")             # again in the same process: its own
+    assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on host")
 
 
 def test_the_epochs_line_is_written_before_the_checkpoint_that_says_it_is_done(tmp_path,
@@ -55,37 +52,19 @@ def test_the_epochs_line_is_written_before_the_checkpoint_that_says_it_is_done(t
         save(state, path)
     monkeypatch.setattr(common, "save_checkpoint", full_disk_for_the_backbone)
     with pytest.raises(SystemExit, match="No space left"):
-        train(out)
+        train_tiny(out)
     monkeypatch.setattr(common, "save_checkpoint", save)
-    train(out)  # nothing left to train: the files of the finished run are written
-    assert [r["epoch"] for r in records(out)] == [0]
+    train_tiny(out)  # nothing left to train: the files of the finished run are written
+    assert [r["epoch"] for r in log_records(out)] == [0]
     assert (out / "teacher_backbone.pth").exists()
 
 
 def test_a_resumed_run_drops_a_cut_last_line_and_the_lines_no_checkpoint_holds(tmp_path, capsys):
     out = tmp_path / "out"
-    train(out)
+    train_tiny(out)
     with open(out / "log.txt", "a") as f:
         f.write(json.dumps({"epoch": 1, "loss": 1.0}) + "\n")  # its checkpoint was never written
         f.write('{"epoch": 2, "lo')  # cut by a full disk
-    train(out, "--epochs", "2")
-    assert [r["epoch"] for r in records(out)] == [0, 1]
+    train_tiny(out, "--epochs", "2")
+    assert [r["epoch"] for r in log_records(out)] == [0, 1]
     assert "2 line(s) dropped" in capsys.readouterr().out
-
-
-def test_a_file_of_the_output_folder_that_cannot_be_written_is_one_line(tmp_path):
-    out = tmp_path / "out"
-    (out / "args.json").mkdir(parents=True)  # (as root, a read-only file would still be written)
-    with pytest.raises(SystemExit, match=r"^error: cannot use .*args.json: Is a directory"):
-        common.run_script(dino.main, dino.get_args_parser(), [*TINY, "--output_dir", str(out)])
-
-
-def test_a_failed_checkpoint_write_on_a_read_only_folder_is_its_own_line(tmp_path, monkeypatch):
-    """The writer's clean-up of its temporary file fails too on a read-only file system: the
-    line says why the checkpoint was not written, not why the clean-up failed."""
-    def read_only(self, *args, **kwargs):
-        raise OSError(30, "Read-only file system", str(self))
-    monkeypatch.setattr(Path, "unlink", read_only)
-    monkeypatch.setattr(common.os, "replace", read_only)
-    with pytest.raises(SystemExit, match=r"cannot write .*checkpoint.pth: Read-only file system"):
-        common.save_checkpoint({"a": 1}, tmp_path / "checkpoint.pth")

@@ -1,7 +1,8 @@
 """The README and docs/ say what the code does: every command in them that runs one of the project's
 scripts (`python X.py ...`, `torchrun ... X.py ...`) parses with that script's own
-`get_args_parser()`; the README stays under 350 lines; every file they link to exists; and no
-issue numbers. Only parsing: the paths in the commands need not exist."""
+`get_args_parser()`; every argument has its --help text; the README stays under 350 lines; every
+file they link to exists; and no issue numbers. Only parsing: the paths in the commands need not
+exist."""
 import contextlib
 import importlib
 import io
@@ -128,3 +129,13 @@ def test_readme_links_every_doc():
 @pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: p.name)
 def test_no_issue_numbers(doc):
     assert not re.search(r"\bissues? #?\d+|(?<![\w&])#\d+\b", doc.read_text(), re.I)
+
+
+def test_every_argument_has_help_and_the_drloc_normalize_help_names_its_divisor():
+    import importlib
+    for script in ("dino", "esvit", "glsd", "selfpatch", "drloc", "eval_knn", "eval_linear"):
+        parser = importlib.import_module(script).get_args_parser()
+        assert [a.dest for a in parser._actions if not a.help] == [], script
+    import drloc
+    normalize = next(a for a in drloc.get_args_parser()._actions if a.dest == "drloc_normalize")
+    assert "k-1" in normalize.help and "k/2" not in normalize.help

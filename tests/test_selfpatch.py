@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
 import selfpatch as sp  # noqa: E402
-from test_reliability import one_thread, run_here  # noqa: E402
+from conftest import one_thread, run_here  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 

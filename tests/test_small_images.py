@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
-from test_reliability import run_here  # noqa: E402
+from conftest import run_here  # noqa: E402
 
 
 def run_args(**kw):
