@@ -425,7 +425,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         # a signal in any process; at the epoch's end main() saves
         if (preempted or periodic) and it + 1 < n_steps:
             save_checkpoints(student, teacher, optimizer, scaler, criterion, epoch, it + 1, args,
-                     loader.dataset)
+                             loader.dataset)
             if preempted:
                 common.exit_after_preemption(args.output_dir)
     record = {k: v / max(n_steps - start_step, 1) for k, v in totals.items()}
