@@ -83,7 +83,7 @@ def test_cuda_count_takes_only_cudas_sync_warnings_and_names_their_lines(monkeyp
 
 def test_cpu_form_every_part_passes_with_one_sync_per_step(tmp_path):
     """The reduced form of the GPU check, as CI runs it. Every part passes; each method's training step
-    reads the GPU once (`common.step_sync`), so a method that gains a sync fails here (gpu_check marks it
+    reads the GPU once (`common.average_step_stats`), so a method that gains a sync fails here (gpu_check marks it
     FAILED, naming the line); the resumed run ends where the uninterrupted one did, bit for bit on a CPU;
     two processes log the loss of one (the mean over the processes) and end at its weights."""
     result = subprocess.run([sys.executable, "extras/perf/gpu_check.py", "--device", "cpu", "--out", str(tmp_path / "out")],
