@@ -407,11 +407,7 @@ def get_args_parser():
                    help="one JSON line per (data, row, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/COMPARISON.md from --log")
-    p.add_argument("--ledger", default=str(provenance.LEDGER),
-                   help="every test-phase evaluation is appended here before it starts")
-    p.add_argument("--reason", default="",
-                   help="why a row, seed and budget evaluated on test before is evaluated there "
-                        "again (refused without one); the ledger and the documents show it")
+    provenance.add_ledger_args(p)
     return p
 
 

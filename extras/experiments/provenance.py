@@ -343,8 +343,12 @@ LEDGER = ROOT / "docs" / "data" / "test_ledger.jsonl"
 LEDGER_KEY = ("driver", "data", "row", "seed", "budget", "evaluation")
 
 
-def ledger_key(entry):
-    return tuple(entry.get(k) for k in LEDGER_KEY)
+def add_ledger_args(parser):
+    """--ledger and --reason, the same in every driver that may evaluate on the test split."""
+    parser.add_argument("--ledger", default=str(LEDGER),
+                        help="every test-phase run is appended here before it starts")
+    parser.add_argument("--reason", default="", help="why a test evaluation is repeated (refused "
+                        "without one); the ledger and the documents show it")
 
 
 def read_ledger(path):
@@ -359,7 +363,8 @@ def read_ledger(path):
 def test_uses(entries, key):
     """The ledger's uses of `key` (its `use` lines, reconstructed or not, withdrawn ones included:
     a withdrawn result was still seen)."""
-    return [e for e in entries if e["kind"] == "use" and ledger_key(e) == key]
+    return [e for e in entries
+            if e["kind"] == "use" and tuple(e.get(k) for k in LEDGER_KEY) == key]
 
 
 def record_test_use(path, use, reason=""):

@@ -398,11 +398,7 @@ def get_args_parser():
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from "
                         "--log")
-    p.add_argument("--ledger", default=str(provenance.LEDGER),
-                   help="every test-phase run is appended here before it starts")
-    p.add_argument("--reason", default="",
-                   help="why a run, seed and budget evaluated on test before is evaluated there "
-                        "again (refused without one); the ledger and the documents show it")
+    provenance.add_ledger_args(p)
     return p
 
 
