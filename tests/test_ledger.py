@@ -74,7 +74,7 @@ def fake_compare(monkeypatch, ledger, seen):
 
     def fake_knn(self, *args, **kwargs):
         seen.append([e for e in provenance.read_ledger(ledger) if e["kind"] == "use"])
-        return 60.0
+        return {"10": 61.0, "20": 60.0, "100": 58.0, "200": 57.0}
 
     monkeypatch.setattr(compare.Evaluator, "call", fake_call)
     monkeypatch.setattr(compare.Evaluator, "knn", fake_knn)

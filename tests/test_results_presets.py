@@ -400,16 +400,18 @@ def test_add_curve_evaluates_the_kept_checkpoints_of_the_logged_run_only(tmp_pat
     def fake_knn(self, weights, random_init=False, name="knn"):
         self.commands.append(f"python eval_knn.py {weights.name}")
         self.cpu_seconds["curve"] = 5.0
-        return 57.5
+        return {"10": 58.0, "20": 57.5, "100": 55.0, "200": 54.0}
     monkeypatch.setattr(compare.Evaluator, "knn", fake_knn)
     monkeypatch.setattr(compare.Evaluator, "correspondence", lambda self, w, protocols=(), name="": {"overlap": {"accuracy": 16.0}})
     argv = ["--phase", "test", "--log", str(log), "--work_dir", str(work), "--curve_every", "200"]
     args = compare.get_args_parser().parse_args(argv)
     assert [compare.add_evaluation(row, args, seed, "curve") for row, seed in
             (("vit_dino", 0), ("vit_random", 1), ("vit_dino", 1))] == [None, None, [{"step": 200, "knn_top1": 57.5,
+                                                                                  "knn_top1_by_k": {"10": 58.0, "20": 57.5, "100": 55.0, "200": 54.0},
                                                                                   "overlap_accuracy": 16.0}]]
     after = provenance.read_log(log)
-    assert after[2]["curve"] == [{"step": 200, "knn_top1": 57.5, "overlap_accuracy": 16.0}]
+    assert after[2]["curve"] == [{"step": 200, "knn_top1": 57.5, "overlap_accuracy": 16.0,
+                                  "knn_top1_by_k": {"10": 58.0, "20": 57.5, "100": 55.0, "200": 54.0}}]
     assert after[2]["commands"] == ["python eval_knn.py checkpoint0004.pth"] and "curve_provenance" in after[2]
     assert [r for i, r in enumerate(after) if i != 2] == [r for i, r in enumerate(records) if i != 2]
     after[2].pop("curve")
@@ -515,7 +517,8 @@ def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch
         (self.out / "args.json").write_text(json.dumps({"precision": "bf16", "epochs": 1}))
         (self.out / "log.txt").write_text(json.dumps({"epoch": 0, "loss": 1.0, "peak_memory_mb": 10}) + "\n")
     monkeypatch.setattr(compare.Evaluator, "call", fake_call)
-    for name, value in (("knn", 60.0), ("correspondence", {}), ("collapse", {})):
+    by_k = {"10": 61.0, "20": 60.0, "100": 58.0, "200": 57.0}
+    for name, value in (("knn", by_k), ("correspondence", {}), ("collapse", {})):
         monkeypatch.setattr(compare.Evaluator, name, lambda self, *a, value=value, **k: value)
     monkeypatch.setattr(compare.provenance, "checkpoint_signature", lambda weights: {"arch": "vit_pico"})
     monkeypatch.setattr(provenance.os, "chdir", lambda path: None)

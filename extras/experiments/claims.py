@@ -110,12 +110,10 @@ def drloc_regime(records):
             arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
             if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
                 settings[arch, r.get("variant", "recipe")] = drloc_setting(r)
-        order = lambda kv: (
-            kv[1][0],
-            list(DRLOC_ARCHS).index(kv[0][0]),
-            -kv[1][1],
-            kv[0][1] != "recipe",
-        )  # noqa: E731
+        def order(item):
+            """By data, architecture, longest training first, the recipe before other variants."""
+            (arch, variant), (data, epochs) = item
+            return data, list(DRLOC_ARCHS).index(arch), -epochs, variant != "recipe"
         for (arch, variant), (data, n) in sorted(settings.items(), key=order):
             diffs = paired_difference(
                 records, phase, f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True

@@ -204,7 +204,8 @@ def run_row(row, args, seed):
         record["random_init"] = True
         source = " ".join(train_command(row, args, seed))
         record.update(start_of=source, network=provenance.starting_checkpoint(source, weights))
-        record.update(knn_top1=evaluate.knn(weights, random_init=True),
+        by_k = evaluate.knn(weights, random_init=True)
+        record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k,
                       correspondence=evaluate.correspondence(weights, random_init=True))
         if not args.skip_linear:
             record["linear_top1"] = evaluate.linear(weights, random_init=True)
@@ -224,8 +225,9 @@ def run_row(row, args, seed):
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
-    record.update(knn_top1=evaluate.knn(weights), correspondence=evaluate.correspondence(weights),
-                  **evaluate.collapse(weights))
+    by_k = evaluate.knn(weights)
+    record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k,
+                  correspondence=evaluate.correspondence(weights), **evaluate.collapse(weights))
     if not args.skip_linear:
         record["linear_top1"] = evaluate.linear(weights)
     if seed in args.curve_seeds:
@@ -241,13 +243,14 @@ def kept_paths(out, args):
 
 
 def curve_points(evaluate, kept):
-    """20-NN and `overlap` all-token accuracy of each kept checkpoint ({step: path})."""
+    """k-NN (20 and the four k) and `overlap` all-token accuracy of each kept checkpoint ({step:
+    path})."""
     points = []
     for step, path in kept.items():
         knn = evaluate.knn(path, name=f"curve_knn_{path.stem[10:]}")
         correspondence = evaluate.correspondence(path, protocols=("overlap",),
                                                  name=f"curve_correspondence_{path.stem[10:]}")
-        points.append({"step": step, "knn_top1": knn,
+        points.append({"step": step, "knn_top1": knn["20"], "knn_top1_by_k": knn,
                        "overlap_accuracy": correspondence["overlap"]["accuracy"]})
     return points
 

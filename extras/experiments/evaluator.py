@@ -56,10 +56,12 @@ class Evaluator:
         return output
 
     def knn(self, weights, random_init=False, name="knn"):
+        """{k: top-1} at DINO's four k (10, 20, 100, 200): no comparison rests on one k."""
         baseline = ["--random_init", "--seed", str(self.seed)] if random_init else []
-        return results.knn_top1(self.call(["eval_knn.py", *self.data, *EVAL.split(),
-                                           "--nb_knn", "20", "--pretrained_weights", str(weights),
-                                           *baseline], f"{name}.txt"))
+        ks = [str(k) for k in results.KNN_KS]
+        return results.knn_top1_by_k(self.call(["eval_knn.py", *self.data, *EVAL.split(),
+                                                "--nb_knn", *ks, "--pretrained_weights",
+                                                str(weights), *baseline], f"{name}.txt"))
 
     def linear(self, weights, random_init=False):
         out = self.out / "linear"

@@ -62,7 +62,8 @@ def read_checked(path):
 
 
 def knn_line(output):
-    line = next((l for l in output.splitlines() if "20-NN classifier result" in l), None)
+    line = next((text for text in output.splitlines() if "20-NN classifier result" in text),
+                None)
     if line is None:
         sys.exit("error: no 20-NN result in eval_knn.py's output")
     return line

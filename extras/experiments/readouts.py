@@ -21,6 +21,14 @@ def knn_top1(output):
     return float(match.group(1))
 
 
+def knn_top1_by_k(output):
+    """{"10": top-1, "20": ...}: every k of eval_knn.py's output (`--nb_knn 10 20 100 200`)."""
+    found = re.findall(r"(\d+)-NN classifier result: top-1 ([0-9.]+)%", output)
+    if not any(k == "20" for k, _ in found):
+        sys.exit("error: no 20-NN result in eval_knn.py's output")
+    return {k: float(value) for k, value in found}
+
+
 def parse_correspondence(output):
     """{protocol: {top10_accuracy, accuracy, ...}} from extras/tools/eval_correspondence.py's log
     lines."""

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import provenance  # noqa: E402
 from claims import DRLOC_ARCHS, DRLOC_EPOCHS, drloc_regime, paired_difference  # noqa: E402,F401
-from readouts import (KNN_KS, knn_top1, parse_collapse,  # noqa: E402,F401
+from readouts import (KNN_KS, knn_top1, knn_top1_by_k, parse_collapse,  # noqa: E402,F401
                       parse_correspondence, pixels_knn_by_k, pixels_knn_top1,
                       write_fashion_mnist_8k)
 
