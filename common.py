@@ -31,6 +31,7 @@ import pickle
 import random
 import re
 import resource
+import shutil
 import signal
 import socket
 import stat
@@ -1188,6 +1189,7 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
     sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train,
                                with_epoch=isinstance(dataset, SeededDataset))
     batched = getattr(dataset, "batched", False)
+    warn_if_shared_memory_is_short(dataset, batch_size, num_workers)
     loader = PreemptibleLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         collate_fn=torch.utils.data.default_convert if batched else None,
@@ -1195,6 +1197,25 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
         persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
         worker_init_fn=ignore_preemption_signals)
     return loader, sampler
+
+
+def warn_if_shared_memory_is_short(dataset, batch_size, num_workers):
+    """One warning line when /dev/shm, where workers leave their batches, is smaller than the
+    multi-crop loaders' queues of this node's processes (2 batches a worker, and the step's): a
+    worker writing past it dies by SIGBUS. A sample: float32 crops; --batched_crops: uint8 images
+    of about the crops' pixels (as ImageNet's)."""
+    plan = getattr(getattr(dataset, "transform", None), "plan", None)
+    if not num_workers or plan is None or not os.path.isdir("/dev/shm"):
+        return
+    pixels = sum(3 * size * size for size, _, _ in plan())
+    batches = (2 * num_workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's
+    needed = batches * batch_size * pixels * (1 if dataset.batched else 4)
+    free = shutil.disk_usage("/dev/shm").free
+    if free < needed:
+        log(f"warning: /dev/shm has {free / 2 ** 20:.0f} MiB free, the batches of {num_workers} "
+            f"loader workers a process need about {needed / 2 ** 20:.0f} MiB: give the container "
+            f"more (docker run --shm-size={math.ceil(needed / 2 ** 30) + 1}g, or --ipc=host) or "
+            f"use fewer --num_workers")
 
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -1951,9 +1972,11 @@ def explain(e, args):
     where = last_checkpoint()
     worker = dead_loader_worker(wait=isinstance(e, (RuntimeError, OSError, EOFError)))
     if worker:  # the steps since the last checkpoint are lost
-        return (f"error: a data loader worker {worker} (most likely the kernel's out-of-memory "
-                f"killer; its own error, if any, is above){where}; run the same command with "
-                f"fewer --num_workers (now {getattr(args, 'num_workers', '?')}) to resume")
+        cause = ("a full /dev/shm: run the container with a larger --shm-size or --ipc=host"
+                 if worker.endswith("SIGBUS") else "the kernel's out-of-memory killer")
+        return (f"error: a data loader worker {worker} (most likely {cause}; its own error, if "
+                f"any, is above){where}; run the same command with fewer --num_workers (now "
+                f"{getattr(args, 'num_workers', '?')}) to resume")
     if isinstance(e, BadImageError):  # torch raises it again in this process: its last line
         return "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
