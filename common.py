@@ -16,6 +16,7 @@ import argparse
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -530,49 +531,40 @@ class Attention(TimmAttention):
         self._fused_attn = value
 
 
+@dataclasses.dataclass
 class UncroppedBatch:
-    """`--batched_crops`: a batch as loader workers make it, its crops not yet cut: the uint8
-    images [3, H, W] (of any sizes) and each view's draws (`draw_multicrop`: plain data)."""
-
-    def __init__(self, images, views, mean, std):
-        self.images = images
-        self.views = views
-        self.mean = mean
-        self.std = std
+    """`--batched_crops`: a batch as loader workers make it (`draw_multicrop`), its crops not yet
+    cut: uint8 images [3, H, W] of any sizes, each view's draws (plain data), the normalisation."""
+    images: list
+    views: list
+    mean: tuple
+    std: tuple
 
     def pin_memory(self):
         """The DataLoader pins (on a GPU) the images only: the draws stay plain data."""
-        images = [image.pin_memory() for image in self.images]
-        return UncroppedBatch(images, self.views, self.mean, self.std)
+        return dataclasses.replace(self, images=[image.pin_memory() for image in self.images])
 
 
 def crops_on_device(views, device):
-    """A loader batch's (crops, geometry) on `device`; an `UncroppedBatch` is cut there. Its copy
-    queues on the compute stream: uint8 images, a quarter of the float32 crops' bytes (under a
-    millisecond a batch of 64 ImageNet images over PCIe), do not warrant a side stream."""
+    """A loader batch's (crops, geometry) on `device`; an `UncroppedBatch` is cut there. Its uint8
+    images, a quarter of the float32 crops' bytes (about a millisecond a batch of 64 ImageNet
+    images over PCIe), are copied on the compute stream: not worth a side stream."""
     crops, geometry = views
     geometry = [{k: v.to(device, non_blocking=True) for k, v in g.items()} for g in geometry]
     if not isinstance(crops, UncroppedBatch):
         return [c.to(device, non_blocking=True) for c in crops], geometry
-    images = [image.to(device, non_blocking=True) for image in crops.images]
     threads = torch.get_num_threads()
-    if images[0].device.type == "cpu":  # thousands of small operations: more threads only add
-        torch.set_num_threads(1)       # synchronisation (4x slower)
+    if torch.device(device).type == "cpu":  # thousands of small operations: more threads only
+        torch.set_num_threads(1)              # add synchronisation (4x slower)
     try:
-        return multicrop_pixels(images, crops.views, crops.mean, crops.std), geometry
+        return multicrop_pixels(crops, device), geometry
     finally:
         torch.set_num_threads(threads)
 
 
-def batched_multicrop(augment, images, seeds):
-    """Both halves at once, on the images' device: `draw_multicrop`, then `multicrop_pixels`."""
-    views, geometry = draw_multicrop(augment, images, seeds)
-    return multicrop_pixels(images, views, augment.mean, augment.std), geometry
-
-
 def draw_multicrop(augment, images, seeds):
-    """The loader worker's half: the PIL path's draws from each image's seed (images [3, H, W] of
-    any sizes), one dict of per-sample lists a view, and each view's geometry."""
+    """The loader worker's half: (`UncroppedBatch`, geometry) of images [3, H, W] (any sizes), with
+    the PIL path's draws from each image's seed, as one dict of per-sample lists a view."""
     draws = []
     for image, seed in zip(images, seeds):
         torch.default_generator.manual_seed(seed)
@@ -588,22 +580,20 @@ def draw_multicrop(augment, images, seeds):
         box = torch.stack([left / width, top / height, w / width, h / height], 1).float()
         geometry.append({"box": box, "flip": torch.tensor(view["flip"]),
                          "image_size": sizes.float()})
-    return views, geometry
+    return UncroppedBatch(images, views, augment.mean, augment.std), geometry
 
 
-def multicrop_pixels(images, views, mean, std):
-    """The training device's half: each view's crops of the uint8 images [3, H, W] (any sizes),
-    on their device, by torchvision's tensor operations (an exact Gaussian for PIL's box blur).
-    Against the PIL path's pixels: a mean |difference| under 1 level of 255 (0.5 to 0.8 on 500 x
-    375 JPEGs), at most 32."""
-    device = images[0].device
-    mean = on_device(mean, device).view(1, 3, 1, 1)
-    std = on_device(std, device).view(1, 3, 1, 1)
+def multicrop_pixels(batch, device):
+    """The training device's half: an `UncroppedBatch`'s crops, cut on `device` by torchvision's
+    tensor operations (an exact Gaussian for PIL's box blur). Against the PIL path's pixels: a
+    mean |difference| under 1 level of 255 (0.5 to 0.8 on 500 x 375 JPEGs), at most 32."""
+    images = [image.to(device, non_blocking=True) for image in batch.images]
+    mean = on_device(batch.mean, device).view(1, 3, 1, 1)
+    std = on_device(batch.std, device).view(1, 3, 1, 1)
     crops = []
-    for view in views:
-        size = view["size"]
+    for view in batch.views:
         x = torch.cat([F.interpolate(image[None, :, top:top + h, left:left + w].float(),
-                                     size=(size, size), mode="bicubic", antialias=True)
+                                     size=(view["size"],) * 2, mode="bicubic", antialias=True)
                        for image, (top, left, h, w) in zip(images, view["box"])])  # levels 0..255
         flip = on_device(view["flip"], device).view(-1, 1, 1, 1)
         x = torch.where(flip, x.flip(-1), x).clamp(0, 255)
@@ -618,12 +608,11 @@ def multicrop_pixels(images, views, mean, std):
 
 
 def on_device(values, device):
-    """`values` (a list or a host tensor) on `device`; to a GPU from pinned memory, as a copy from
+    """`values` (a list or a host tensor) on `device`, through pinned memory to a GPU: a copy from
     pageable memory (`torch.tensor(values, device=device)`) waits for every queued kernel."""
     values = torch.as_tensor(values)
-    if torch.device(device).type == "cuda":
-        values = values.pin_memory()
-    return values.to(device, non_blocking=True)
+    pinned = values.pin_memory() if torch.device(device).type == "cuda" else values
+    return pinned.to(device, non_blocking=True)
 
 
 def draw_crop(height, width, scale, photometric):
@@ -647,8 +636,8 @@ def draw_crop(height, width, scale, photometric):
     return crop
 
 
-# The pixel operations of `multicrop_pixels`: float images [N, 3, h, w] of levels 0..255 on any
-# device; the per-sample parameters arrive as plain data and go to the device by `on_device`.
+# The pixel operations of `multicrop_pixels`: float images [N, 3, h, w] of levels 0..255, on any
+# device (host data reaches it by `on_device`).
 def grayscale(x):
     """torchvision's luma, [N, 1, h, w]."""
     return (x * on_device([0.2989, 0.587, 0.114], x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
@@ -1053,9 +1042,7 @@ class SeededDataset(torch.utils.data.Dataset):
         seeds = [sample_seed(self.seed, epoch, index) for index, epoch in pairs]
         in_main_process = torch.utils.data.get_worker_info() is None
         with torch.random.fork_rng(devices=[], enabled=in_main_process):
-            views, geometry = draw_multicrop(self.transform, pixels, seeds)
-        batch = UncroppedBatch(pixels, views, self.transform.mean, self.transform.std)
-        return (batch, geometry), torch.tensor(labels)
+            return draw_multicrop(self.transform, pixels, seeds), torch.tensor(labels)
 
     def seeded_transform(self, image, seed):
         """Seeds torch's CPU generator (not CUDA's), Python's and NumPy's."""
@@ -1200,10 +1187,9 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
 
 
 def warn_if_shared_memory_is_short(dataset, batch_size, num_workers):
-    """One warning line when /dev/shm, where workers leave their batches, is smaller than the
-    multi-crop loaders' queues of this node's processes (2 batches a worker, and the step's): a
-    worker writing past it dies by SIGBUS. A sample: float32 crops; --batched_crops: uint8 images
-    of about the crops' pixels (as ImageNet's)."""
+    """One warning line when /dev/shm, where workers leave their batches (one writing past its end
+    dies by SIGBUS), cannot hold this node's multi-crop loader queues: 2 batches a worker, and the
+    step's, of float32 crops, or with --batched_crops of uint8 images of as many pixels or so."""
     plan = getattr(getattr(dataset, "transform", None), "plan", None)
     if not num_workers or plan is None or not os.path.isdir("/dev/shm"):
         return
@@ -1667,8 +1653,10 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
     g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
     g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
     g.add_argument("--batched_crops", default=False, type=bool_flag,
-                   help="build each batch's crops at once with tensor operations: the PIL "
-                        "path's draws, its pixels within a level on average; faster")
+                   help="loader workers only decode the images and make the PIL path's "
+                        "draws; the training device cuts the batch's crops with tensor "
+                        "operations: pixels within 1 level of 255 of the PIL path's on average "
+                        "(at most 32), the loader's CPU cost a fraction")
     return g
 
 

@@ -112,18 +112,15 @@ def test_batched_pixels_agree_with_the_pil_path():
 def test_the_device_half_on_a_cpu_is_bit_for_bit_the_logged_runs_batched_crops():
     """tests/data/batched_crops_golden.pt: the crops and geometry that `batched_multicrop` made,
     before its split into a worker half and a device half, of two images (44 x 30 and 26 x 40)
-    whose 10 views flip, jitter, turn grey, blur and solarize. Both halves, apart (the loader's
-    way) and at once (`batched_multicrop`), give them bit for bit."""
+    whose 10 views flip, jitter, turn grey, blur and solarize. The two halves (`draw_multicrop`,
+    then `crops_on_device`) give them bit for bit."""
     golden = torch.load(ROOT / "tests" / "data" / "batched_crops_golden.pt")
-    augment = augmentation()
-    views, geometry = common.draw_multicrop(augment, golden["images"], golden["seeds"])
-    batch = common.UncroppedBatch(golden["images"], views, augment.mean, augment.std)
-    for crops, geometry in (common.crops_on_device((batch, geometry), "cpu"),
-                            common.batched_multicrop(augment, golden["images"], golden["seeds"])):
-        for ours, theirs in zip(crops, golden["crops"], strict=True):
-            assert torch.equal(ours, theirs)
-        for ours, theirs in zip(geometry, golden["geometry"], strict=True):
-            assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    batch = common.draw_multicrop(augmentation(), golden["images"], golden["seeds"])
+    crops, geometry = common.crops_on_device(batch, "cpu")
+    for ours, theirs in zip(crops, golden["crops"], strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(geometry, golden["geometry"], strict=True):
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
 def test_the_device_half_makes_every_tensor_on_the_images_device():
@@ -205,7 +202,8 @@ def test_cpu_bf16_attention_is_the_explicit_one_and_agrees_with_the_fused_one(mo
     assert isinstance(attention, common.Attention)
     sdpa_calls = []
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: sdpa_calls.append(1) or sdpa(*a, **k))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa_calls.append(1) or sdpa(*a, **k))
     x = torch.randn(4, 17, 64)
     results = []
     for bf16 in (False, True):
@@ -214,11 +212,11 @@ def test_cpu_bf16_attention_is_the_explicit_one_and_agrees_with_the_fused_one(mo
             out = attention(xi)
         out.float().sum().backward()
         results.append((out.float(), xi.grad))
-        assert len(sdpa_calls) == 1          # fp32: timm's fused kernel; CPU bf16: the explicit matmuls
+        assert len(sdpa_calls) == 1  # fp32: timm's fused kernel; CPU bf16: the explicit matmuls
     (reference, reference_grad), (ours, grad) = results
     assert torch.allclose(ours, reference, atol=0.03, rtol=0.03)           # bf16 rounding only
     assert torch.allclose(grad, reference_grad, atol=0.03, rtol=0.03)
-    attention.fused_attn = False             # as tests/test_trajectories.py sets it: the explicit path in fp32 too
+    attention.fused_attn = False  # as tests/test_trajectories.py sets it: explicit in fp32 too
     with torch.no_grad():
         attention(x)
     assert not attention.fused_attn and len(sdpa_calls) == 1

@@ -162,9 +162,9 @@ def test_a_dev_shm_smaller_than_the_loaders_queue_is_one_warning(monkeypatch, ca
     common.make_loader(dataset, 16, num_workers=2)
     common.make_loader(dataset, 16, num_workers=0)  # no worker: nothing goes through /dev/shm
     lines = capsys.readouterr().out.splitlines()
-    expected = ["warning: /dev/shm has {} MiB free, the batches of 2 loader workers a process need "
-                "about {} MiB: give the container more (docker run --shm-size=2g, or --ipc=host) or "
-                "use fewer --num_workers".format(free_mib, 40 if batched else 159)]
+    expected = [f"warning: /dev/shm has {free_mib} MiB free, the batches of 2 loader workers a "
+                f"process need about {40 if batched else 159} MiB: give the container more (docker "
+                f"run --shm-size=2g, or --ipc=host) or use fewer --num_workers"]
     assert lines == (expected if warned else [])
 
 

@@ -343,7 +343,8 @@ def main(args):
             seed = common.sample_seed(args.seed, 0, args.index)
             if args.batched_crops:
                 pixels = pil_to_tensor(image.convert("RGB"))
-                crops, geometry = common.batched_multicrop(augment, [pixels], [seed])
+                batch = common.draw_multicrop(augment, [pixels], [seed])
+                crops, geometry = common.crops_on_device(batch, "cpu")
                 crops = [c[0] for c in crops]
                 geometry = [{k: v[0] for k, v in g.items()} for g in geometry]
             else:
