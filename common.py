@@ -675,15 +675,13 @@ def adjust_color(x, op, f):
 def color_jitter(x, jitters):
     """torchvision's ColorJitter per sample, in each sample's order with its factors (None:
     unchanged)."""
-    apply = torch.tensor([j is not None for j in jitters])
-    order = torch.tensor([j[0] if j is not None else [0, 1, 2, 3] for j in jitters])  # [N, 4]
     factors = [j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters]
     factors = on_device(factors, x.device)
     for position in range(4):
-        for op in range(4):
-            chosen = apply & (order[:, position] == op)  # on the host: the device is not waited for
-            if chosen.any():
-                rows = on_device(chosen.nonzero()[:, 0], x.device)
+        for op in range(4):  # which samples, in plain Python: the device is never waited for
+            chosen = [i for i, j in enumerate(jitters) if j is not None and j[0][position] == op]
+            if chosen:
+                rows = on_device(chosen, x.device)
                 x[rows] = adjust_color(x[rows], op, factors[rows, op].view(-1, 1, 1, 1))
     return x
 
@@ -694,11 +692,11 @@ def gaussian_blur(x, sigmas):
     blurred = [i for i, s in enumerate(sigmas) if s is not None]
     if not blurred:
         return x
-    sigma = torch.tensor([sigmas[i] for i in blurred])[:, None]
-    radius = int(3 * sigma.max()) + 1  # from the host's copy: the device is not waited for
+    sigma = on_device([sigmas[i] for i in blurred], x.device)[:, None]
+    radius = int(3 * np.float32(max(sigmas[i] for i in blurred))) + 1  # float32, as the logged runs
     size = x.shape[-1]
     offsets = torch.arange(-radius, radius + 1, device=x.device)
-    weights = torch.exp(-offsets ** 2 / (2 * on_device(sigma, x.device) ** 2))
+    weights = torch.exp(-offsets ** 2 / (2 * sigma ** 2))
     weights = weights / weights.sum(1, keepdim=True)  # [n, K]
     source = (torch.arange(size, device=x.device)[:, None] + offsets).clamp(0, size - 1)  # [s, K]
     m = torch.zeros(len(blurred), size, size, device=x.device).scatter_add_(

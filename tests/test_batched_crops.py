@@ -123,17 +123,35 @@ def test_the_device_half_on_a_cpu_is_bit_for_bit_the_logged_runs_batched_crops()
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def six_samples():
+    """A batched path's batch of 6 MixedSizes, (`UncroppedBatch`, geometry), some of its crops
+    jittered and some blurred."""
+    dataset = common.SeededDataset(MixedSizes(6), augmentation(), batched=True)
+    views, _labels = dataset.__getitems__(range(6))
+    assert any(j is not None for view in views[0].views for j in view["jitter"])
+    assert any(b is not None for view in views[0].views for b in view["blur"])
+    return views
+
+
 def test_the_device_half_makes_every_tensor_on_the_images_device():
     """On the `meta` device a tensor made on the host (torch.tensor without `device`) would meet
     the images in an operation and raise: the GPU path's device placement, checked on a CPU."""
-    base, augment = MixedSizes(6), augmentation()
-    views, labels = common.SeededDataset(base, augment, batched=True).__getitems__(range(6))
-    assert any(j is not None for view in views[0].views for j in view["jitter"])
-    assert any(b is not None for view in views[0].views for b in view["blur"])
-    crops, geometry = common.crops_on_device(views, "meta")
+    crops, geometry = common.crops_on_device(six_samples(), "meta")
     assert [c.shape for c in crops] == [(6, 3, 32, 32)] * 2 + [(6, 3, 16, 16)] * 3
     assert all(c.device.type == "meta" for c in crops)
     assert all(v.device.type == "meta" for g in geometry for v in g.values())
+
+
+def test_the_device_half_never_makes_the_host_wait():
+    """extras/perf/sync_counter.py counts on a CPU what would make the host wait for a GPU (a
+    value read, a data-dependent shape, a blocking copy): cutting the crops has none, so the host
+    queues them while the GPU still runs the step before."""
+    sys.path.insert(0, str(ROOT / "extras" / "perf"))
+    from sync_counter import SyncCounter
+    views = six_samples()
+    with SyncCounter() as counter:
+        common.crops_on_device(views, "cpu")
+    assert counter.count == 0, counter.sites
 
 
 def as_float(image):
