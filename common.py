@@ -16,6 +16,7 @@ import argparse
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -31,6 +32,7 @@ import pickle
 import random
 import re
 import resource
+import shutil
 import signal
 import socket
 import stat
@@ -513,7 +515,7 @@ def average_step_stats(losses):
 
 # ======== Speed only: CPU bf16 attention and the batched tensor crops =============================
 # Nothing here changes what is computed beyond rounding: a fork may replace `Attention` by timm's
-# and drop `--batched_crops`.
+# and drop `--batched_crops` (all but the plain path of `crops_on_device`).
 class Attention(TimmAttention):
     """timm's attention, computed explicitly (timm's unfused path) on a CPU under bf16 autocast:
     there the fused kernel's bf16 backward made vit_pico's attention 9x slower (torch 2.14)."""
@@ -529,37 +531,88 @@ class Attention(TimmAttention):
         self._fused_attn = value
 
 
-def batched_multicrop(augment, images, seeds):
-    """`--batched_crops`: images [3, H, W] (uint8, of any sizes) cropped with the PIL path's draws
-    per seed and torchvision's tensor operations (an exact Gaussian for PIL's box blur)."""
-    params = []
+@dataclasses.dataclass
+class UncroppedBatch:
+    """`--batched_crops`: a batch as loader workers make it (`draw_multicrop`), its crops not yet
+    cut: uint8 images [3, H, W] of any sizes, each view's draws (plain data), the normalisation."""
+    images: list
+    views: list
+    mean: tuple
+    std: tuple
+
+    def pin_memory(self):
+        """The DataLoader pins (on a GPU) the images only: the draws stay plain data."""
+        return dataclasses.replace(self, images=[image.pin_memory() for image in self.images])
+
+
+def crops_on_device(views, device):
+    """A loader batch's (crops, geometry) on `device`; an `UncroppedBatch` is cut there. Its uint8
+    images, a quarter of the float32 crops' bytes (about a millisecond a batch of 64 ImageNet
+    images over PCIe), are copied on the compute stream: not worth a side stream."""
+    crops, geometry = views
+    geometry = [{k: v.to(device, non_blocking=True) for k, v in g.items()} for g in geometry]
+    if not isinstance(crops, UncroppedBatch):
+        return [c.to(device, non_blocking=True) for c in crops], geometry
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":  # thousands of small operations: more threads only
+        torch.set_num_threads(1)              # add synchronisation (4x slower)
+    try:
+        return multicrop_pixels(crops, device), geometry
+    finally:
+        torch.set_num_threads(threads)
+
+
+def draw_multicrop(augment, images, seeds):
+    """The loader worker's half: (`UncroppedBatch`, geometry) of images [3, H, W] (any sizes), with
+    the PIL path's draws from each image's seed, as one dict of per-sample lists a view."""
+    draws = []
     for image, seed in zip(images, seeds):
         torch.default_generator.manual_seed(seed)
-        params.append([draw_crop(*image.shape[1:], scale, photometric)
-                       for _, scale, photometric in augment.plan()])
-    mean = torch.tensor(augment.mean).view(1, 3, 1, 1)
-    std = torch.tensor(augment.std).view(1, 3, 1, 1)
+        draws.append([draw_crop(*image.shape[1:], scale, photometric)
+                      for _, scale, photometric in augment.plan()])
     sizes = torch.tensor([[i.shape[2], i.shape[1]] for i in images], dtype=torch.float64)  # W, H
-    crops, geometry = [], []
+    width, height = sizes.unbind(1)
+    views, geometry = [], []
     for k, (size, _, _) in enumerate(augment.plan()):
-        p = {name: [sample[k][name] for sample in params] for name in params[0][k]}
+        view = {name: [sample[k][name] for sample in draws] for name in draws[0][k]}
+        views.append(dict(view, size=size))
+        top, left, h, w = torch.tensor(view["box"], dtype=torch.float64).unbind(1)
+        box = torch.stack([left / width, top / height, w / width, h / height], 1).float()
+        geometry.append({"box": box, "flip": torch.tensor(view["flip"]),
+                         "image_size": sizes.float()})
+    return UncroppedBatch(images, views, augment.mean, augment.std), geometry
+
+
+def multicrop_pixels(batch, device):
+    """The training device's half: an `UncroppedBatch`'s crops, cut on `device` by torchvision's
+    tensor operations (an exact Gaussian for PIL's box blur). Against the PIL path's pixels: a
+    mean |difference| under 1 level of 255 (0.5 to 0.8 on 500 x 375 JPEGs), at most 32."""
+    images = [image.to(device, non_blocking=True) for image in batch.images]
+    mean = on_device(batch.mean, device).view(1, 3, 1, 1)
+    std = on_device(batch.std, device).view(1, 3, 1, 1)
+    crops = []
+    for view in batch.views:
         x = torch.cat([F.interpolate(image[None, :, top:top + h, left:left + w].float(),
-                                     size=(size, size), mode="bicubic", antialias=True)
-                       for image, (top, left, h, w) in zip(images, p["box"])])  # levels 0..255
-        flip = torch.tensor(p["flip"])
-        x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x).clamp(0, 255)
-        x = color_jitter(x, p["jitter"])
-        gray = torch.tensor(p["gray"]).view(-1, 1, 1, 1)
+                                     size=(view["size"],) * 2, mode="bicubic", antialias=True)
+                       for image, (top, left, h, w) in zip(images, view["box"])])  # levels 0..255
+        flip = on_device(view["flip"], device).view(-1, 1, 1, 1)
+        x = torch.where(flip, x.flip(-1), x).clamp(0, 255)
+        x = color_jitter(x, view["jitter"])
+        gray = on_device(view["gray"], device).view(-1, 1, 1, 1)
         x = torch.where(gray, grayscale(x).expand_as(x), x)
-        x = gaussian_blur(x, p["blur"])
-        solarize = torch.tensor(p["solarize"]).view(-1, 1, 1, 1)
+        x = gaussian_blur(x, view["blur"])
+        solarize = on_device(view["solarize"], device).view(-1, 1, 1, 1)
         x = torch.where(solarize & (x >= 128), 255 - x, x)
         crops.append((x.round() / 255 - mean) / std)  # 8-bit levels, as PIL's images
-        top, left, h, w = torch.tensor(p["box"], dtype=torch.float64).unbind(1)
-        width, height = sizes.unbind(1)
-        box = torch.stack([left / width, top / height, w / width, h / height], 1).float()
-        geometry.append({"box": box, "flip": flip, "image_size": sizes.float()})
-    return crops, geometry
+    return crops
+
+
+def on_device(values, device):
+    """`values` (a list or a host tensor) on `device`, through pinned memory to a GPU: a copy from
+    pageable memory (`torch.tensor(values, device=device)`) waits for every queued kernel."""
+    values = torch.as_tensor(values)
+    pinned = values.pin_memory() if torch.device(device).type == "cuda" else values
+    return pinned.to(device, non_blocking=True)
 
 
 def draw_crop(height, width, scale, photometric):
@@ -583,10 +636,11 @@ def draw_crop(height, width, scale, photometric):
     return crop
 
 
-# The pixel operations of `batched_multicrop`: float images [N, 3, h, w] of levels 0..255.
+# The pixel operations of `multicrop_pixels`: float images [N, 3, h, w] of levels 0..255, on any
+# device (host data reaches it by `on_device`).
 def grayscale(x):
     """torchvision's luma, [N, 1, h, w]."""
-    return (x * torch.tensor([0.2989, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    return (x * on_device([0.2989, 0.587, 0.114], x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
 
 
 def shift_hue(x, shift):
@@ -599,7 +653,8 @@ def shift_hue(x, shift):
     g = x[:, 1] == maxc[:, 0]
     hue = torch.where(r, bc - gc, torch.where(g, 2 + rc - bc, 4 + gc - rc))[:, None]
     hue = torch.remainder(hue / 6 + shift.view(-1, 1, 1, 1), 1)
-    k = torch.remainder(torch.tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + 6 * hue, 6)  # HSV -> RGB
+    phases = on_device([5.0, 3.0, 1.0], x.device).view(1, 3, 1, 1)
+    k = torch.remainder(phases + 6 * hue, 6)  # HSV -> RGB
     return maxc - chroma * torch.minimum(k, 4 - k).clamp(0, 1)
 
 
@@ -620,14 +675,14 @@ def adjust_color(x, op, f):
 def color_jitter(x, jitters):
     """torchvision's ColorJitter per sample, in each sample's order with its factors (None:
     unchanged)."""
-    apply = torch.tensor([j is not None for j in jitters])
-    order = torch.tensor([j[0] if j is not None else [0, 1, 2, 3] for j in jitters])  # [N, 4]
-    factors = torch.tensor([j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters])
+    factors = [j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters]
+    factors = on_device(factors, x.device)
     for position in range(4):
-        for op in range(4):
-            chosen = apply & (order[:, position] == op)
-            if chosen.any():
-                x[chosen] = adjust_color(x[chosen], op, factors[chosen, op].view(-1, 1, 1, 1))
+        for op in range(4):  # which samples, in plain Python: the device is never waited for
+            chosen = [i for i, j in enumerate(jitters) if j is not None and j[0][position] == op]
+            if chosen:
+                rows = on_device(chosen, x.device)
+                x[rows] = adjust_color(x[rows], op, factors[rows, op].view(-1, 1, 1, 1))
     return x
 
 
@@ -637,16 +692,18 @@ def gaussian_blur(x, sigmas):
     blurred = [i for i, s in enumerate(sigmas) if s is not None]
     if not blurred:
         return x
-    sigma = torch.tensor([sigmas[i] for i in blurred])[:, None]
+    sigma = on_device([sigmas[i] for i in blurred], x.device)[:, None]
+    radius = int(3 * np.float32(max(sigmas[i] for i in blurred))) + 1  # float32, as the logged runs
     size = x.shape[-1]
-    offsets = torch.arange(-int(3 * sigma.max()) - 1, int(3 * sigma.max()) + 2)
+    offsets = torch.arange(-radius, radius + 1, device=x.device)
     weights = torch.exp(-offsets ** 2 / (2 * sigma ** 2))
     weights = weights / weights.sum(1, keepdim=True)  # [n, K]
-    source = (torch.arange(size)[:, None] + offsets).clamp(0, size - 1)  # [size, K]
-    m = torch.zeros(len(blurred), size, size).scatter_add_(
+    source = (torch.arange(size, device=x.device)[:, None] + offsets).clamp(0, size - 1)  # [s, K]
+    m = torch.zeros(len(blurred), size, size, device=x.device).scatter_add_(
         2, source.expand(len(blurred), -1, -1), weights[:, None].expand(-1, size, -1))[:, None]
+    rows = on_device(blurred, x.device)
     x = x.clone()
-    x[blurred] = m @ x[blurred] @ m.transpose(-1, -2)
+    x[rows] = m @ x[rows] @ m.transpose(-1, -2)
     return x
 
 
@@ -944,7 +1001,7 @@ def sample_seed(*keys):
 class SeededDataset(torch.utils.data.Dataset):
     """`transform(base[index])` under a seed of (seed, epoch, index) only, whatever the workers,
     processes or resumption: `make_loader` asks for `dataset[(index, epoch)]`. With `batched`, a
-    batch's crops are built at once (`batched_multicrop`, speed only)."""
+    batch is its uint8 images and their draws, cut on the training device (speed only)."""
 
     def __init__(self, base, transform, seed=0, batched=False):
         self.base = base
@@ -973,23 +1030,17 @@ class SeededDataset(torch.utils.data.Dataset):
                 np.random.set_state(np_state)
 
     def __getitems__(self, indices):
-        """A batch: with `batched`, built at once and collated; else a list of samples."""
+        """A batch: with `batched`, ((`UncroppedBatch`, geometry), labels) for `crops_on_device`;
+        else a list of samples."""
         if not self.batched:
             return [self[i] for i in indices]
         pairs = [i if isinstance(i, tuple) else (i, self.epoch) for i in indices]
         images, labels = zip(*(self.base[i] for i, _ in pairs))
         pixels = [TF.pil_to_tensor(image.convert("RGB")) for image in images]
         seeds = [sample_seed(self.seed, epoch, index) for index, epoch in pairs]
-        threads = torch.get_num_threads()
-        # thousands of small operations: one thread; more only add synchronisation (4x slower)
-        torch.set_num_threads(1)
         in_main_process = torch.utils.data.get_worker_info() is None
-        try:
-            with torch.random.fork_rng(devices=[], enabled=in_main_process):
-                crops, geometry = batched_multicrop(self.transform, pixels, seeds)
-        finally:
-            torch.set_num_threads(threads)
-        return (crops, geometry), torch.tensor(labels)
+        with torch.random.fork_rng(devices=[], enabled=in_main_process):
+            return draw_multicrop(self.transform, pixels, seeds), torch.tensor(labels)
 
     def seeded_transform(self, image, seed):
         """Seeds torch's CPU generator (not CUDA's), Python's and NumPy's."""
@@ -1123,6 +1174,7 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
     sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train,
                                with_epoch=isinstance(dataset, SeededDataset))
     batched = getattr(dataset, "batched", False)
+    warn_if_shared_memory_is_short(dataset, batch_size, num_workers)
     loader = PreemptibleLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         collate_fn=torch.utils.data.default_convert if batched else None,
@@ -1130,6 +1182,24 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
         persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
         worker_init_fn=ignore_preemption_signals)
     return loader, sampler
+
+
+def warn_if_shared_memory_is_short(dataset, batch_size, num_workers):
+    """One warning line when /dev/shm, where workers leave their batches (one writing past its end
+    dies by SIGBUS), cannot hold this node's multi-crop loader queues: 2 batches a worker, and the
+    step's, of float32 crops, or with --batched_crops of uint8 images of as many pixels or so."""
+    plan = getattr(getattr(dataset, "transform", None), "plan", None)
+    if not num_workers or plan is None or not os.path.isdir("/dev/shm"):
+        return
+    pixels = sum(3 * size * size for size, _, _ in plan())
+    batches = (2 * num_workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's
+    needed = batches * batch_size * pixels * (1 if dataset.batched else 4)
+    free = shutil.disk_usage("/dev/shm").free
+    if free < needed:
+        log(f"warning: /dev/shm has {free / 2 ** 20:.0f} MiB free, the batches of {num_workers} "
+            f"loader workers a process need about {needed / 2 ** 20:.0f} MiB: give the container "
+            f"more (docker run --shm-size={math.ceil(needed / 2 ** 30) + 1}g, or --ipc=host) or "
+            f"use fewer --num_workers")
 
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -1581,8 +1651,10 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
     g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
     g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
     g.add_argument("--batched_crops", default=False, type=bool_flag,
-                   help="build each batch's crops at once with tensor operations: the PIL "
-                        "path's draws, its pixels within a level on average; faster")
+                   help="loader workers only decode the images and make the PIL path's "
+                        "draws (~15x less CPU); the training device cuts the crops with tensor "
+                        "operations: pixels within 1 level of 255 of the PIL path's on average, "
+                        "at most 32")
     return g
 
 
@@ -1886,9 +1958,11 @@ def explain(e, args):
     where = last_checkpoint()
     worker = dead_loader_worker(wait=isinstance(e, (RuntimeError, OSError, EOFError)))
     if worker:  # the steps since the last checkpoint are lost
-        return (f"error: a data loader worker {worker} (most likely the kernel's out-of-memory "
-                f"killer; its own error, if any, is above){where}; run the same command with "
-                f"fewer --num_workers (now {getattr(args, 'num_workers', '?')}) to resume")
+        cause = ("a full /dev/shm: run the container with a larger --shm-size or --ipc=host"
+                 if worker.endswith("SIGBUS") else "the kernel's out-of-memory killer")
+        return (f"error: a data loader worker {worker} (most likely {cause}; its own error, if "
+                f"any, is above){where}; run the same command with fewer --num_workers (now "
+                f"{getattr(args, 'num_workers', '?')}) to resume")
     if isinstance(e, BadImageError):  # torch raises it again in this process: its last line
         return "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):

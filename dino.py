@@ -177,7 +177,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
     start = time.time()
     images = 0
     bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps - start_step)
-    for it, ((crops, _geometry), _labels) in enumerate(bar, start=start_step):
+    for it, (views, _labels) in enumerate(bar, start=start_step):
         if it >= n_steps:
             break
         step = epoch * n_steps + it                      # global iteration: indexes every schedule
@@ -186,7 +186,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
             group["lr"] = lr
             if i == 0:                                   # only the first group is regularised
                 group["weight_decay"] = wd
-        crops = [c.to(device, non_blocking=True) for c in crops]
+        crops, _geometry = common.crops_on_device(views, device)  # --batched_crops: cut there
 
         with common.autocast(device, args.precision):
             with torch.no_grad():

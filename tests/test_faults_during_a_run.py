@@ -130,6 +130,44 @@ def test_a_worker_killed_while_handing_over_a_batch_is_the_same_one_line(monkeyp
         signal.signal(signal.SIGCHLD, previous)
 
 
+def test_a_worker_killed_by_sigbus_names_a_full_dev_shm(monkeypatch):
+    """SIGBUS is how a worker dies that writes its batch past the end of a full /dev/shm: the
+    line names /dev/shm and its remedies, not the out-of-memory killer."""
+    def main(args):
+        common._loader_workers[:] = [FakeWorker(-signal.SIGBUS)]
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Bus error.")
+    previous = signal.getsignal(signal.SIGCHLD)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            common.run_script(common.one_line_exits(main), argparse.ArgumentParser(), argv=[])
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert str(stop.value.code).startswith(
+        "error: a data loader worker (pid 4242) was killed by SIGBUS (most likely a full /dev/shm: "
+        "run the container with a larger --shm-size or --ipc=host;")
+    assert "out-of-memory" not in str(stop.value.code)
+
+
+@pytest.mark.parametrize("batched, free_mib, warned", [(False, 64, True), (True, 64, False),
+                                                       (True, 8, True), (False, 10 ** 6, False)])
+def test_a_dev_shm_smaller_than_the_loaders_queue_is_one_warning(monkeypatch, capsys, batched,
+                                                                 free_mib, warned):
+    """Docker's default /dev/shm is 64 MiB. 2 workers of batches of 16 DINO samples (2 x 224 +
+    8 x 96 px crops) queue 5 x 16 x 2.1 MB, 159 MiB, of float32 crops; of uint8 images about a
+    quarter of that, 40 MiB."""
+    usage = common.shutil.disk_usage("/")._replace(free=free_mib * 2 ** 20)
+    monkeypatch.setattr(common.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    dataset = common.SeededDataset(list(range(32)), common.MultiCropAugmentation(), batched=batched)
+    common.make_loader(dataset, 16, num_workers=2)
+    common.make_loader(dataset, 16, num_workers=0)  # no worker: nothing goes through /dev/shm
+    lines = capsys.readouterr().out.splitlines()
+    expected = [f"warning: /dev/shm has {free_mib} MiB free, the batches of 2 loader workers a "
+                f"process need about {40 if batched else 159} MiB: give the container more (docker "
+                f"run --shm-size=2g, or --ipc=host) or use fewer --num_workers"]
+    assert lines == (expected if warned else [])
+
+
 @pytest.mark.parametrize("error, reason", [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                             "capacity of 79.19 GiB"),

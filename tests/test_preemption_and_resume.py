@@ -48,6 +48,22 @@ def test_resume_mid_epoch_is_bit_identical(dino_uninterrupted, tmp_path, monkeyp
                       load(tmp_path / "checkpoint.pth"))
 
 
+def test_resume_mid_epoch_with_batched_crops_is_bit_identical(tmp_path, monkeypatch):
+    """--batched_crops: the draws depend on (seed, epoch, index) only, wherever the crops are
+    cut: a run stopped after its 2nd step and resumed ends as an uninterrupted one."""
+    flags = tiny(epochs="1", saveckp_freq=None, batched_crops="true")
+    whole = run_here("dino.py", *flags, "--output_dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    with monkeypatch.context() as patch:
+        stop_at_check(patch, 2)
+        first = run_here("dino.py", *flags, "--output_dir", str(tmp_path / "resumed"))
+    assert first.returncode == 0 and "received SIGTERM (simulated)" in first.stdout
+    second = run_here("dino.py", *flags, "--output_dir", str(tmp_path / "resumed"))
+    assert second.returncode == 0 and "epoch 0, step 2" in second.stdout, second.stderr[-3000:]
+    assert_same_state(load(tmp_path / "whole" / "checkpoint.pth"),
+                      load(tmp_path / "resumed" / "checkpoint.pth"))
+
+
 def test_save_every_iters_writes_mid_epoch_checkpoints(tmp_path, monkeypatch):
     real, written = common.save_checkpoint, []
 

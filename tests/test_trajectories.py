@@ -178,7 +178,8 @@ def train(method, case, student, teacher, criterion, args, monkeypatch, **record
     optimizer = torch.optim.AdamW(common.get_params_groups(student))
     scaler = common.make_grad_scaler(DEVICE, args.precision)
     labels = torch.zeros(len(case["batches"][0][0]), dtype=torch.long)
-    geometry = case.get("geometry", [None] * len(case["batches"]))   # per crop: box, flip, image size
+    # per crop: box, flip, image size (none recorded for the methods that do not match by it)
+    geometry = case.get("geometry", [[]] * len(case["batches"]))
     enlarge = case["meta"]["settings"].get("upsample", 1)    # crops stored at 1/enlarge resolution
     batches = [(([c.float().repeat_interleave(enlarge, -1).repeat_interleave(enlarge, -2) for c in crops], geo), labels)
                for crops, geo in zip(case["batches"], geometry)]

@@ -229,7 +229,8 @@ def crops_picture(dataset, augment, seed, indices, size=96, batched=False):
     for index in indices:
         image = dataset[index][0].convert("RGB")
         if batched:
-            crops = [c[0] for c in seeded.__getitems__([(index, 0)])[0][0]]
+            batch, _labels = seeded.__getitems__([(index, 0)])
+            crops = [c[0] for c in common.crops_on_device(batch, "cpu")[0]]
         else:
             crops, _ = seeded[(index, 0)][0]
         views += [pil_to_tensor(image.resize((size, size), Image.Resampling.BICUBIC)),
@@ -342,7 +343,8 @@ def main(args):
             seed = common.sample_seed(args.seed, 0, args.index)
             if args.batched_crops:
                 pixels = pil_to_tensor(image.convert("RGB"))
-                crops, geometry = common.batched_multicrop(augment, [pixels], [seed])
+                batch = common.draw_multicrop(augment, [pixels], [seed])
+                crops, geometry = common.crops_on_device(batch, "cpu")
                 crops = [c[0] for c in crops]
                 geometry = [{k: v[0] for k, v in g.items()} for g in geometry]
             else:
