@@ -3,6 +3,8 @@ gloo; about a minute on a busy 2-core CPU); its GPU form's commands are parsed b
 parsers; its sync counter counts what would make the host wait for a GPU, and every training step
 keeps to the one host sync per step that docs/FIRST_GPU_RUN.md states."""
 import importlib
+import json
+import math
 import os
 import re
 import signal
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "extras" / "perf"))
+import common  # noqa: E402
 import gpu_check  # noqa: E402
 
 
@@ -38,6 +42,15 @@ def test_gpu_form_commands_parse_with_the_scripts_own_parsers_at_paper_size(tmp_
                     args.head_hidden_dim, args.patch_size) == (224, 96, 8, 65536, 2048, 16)
         assert parts[method].sync_window == (5, 10)
     assert parts["dino_preempted"].preempt_at == 10 and parts["dino_two_processes"].nproc == 2
+    folder = gpu_check.jpeg_folder.folder_for("runs/jpeg_folders", 4000, size=500)
+    for name, batched in (("dino_jpeg", False), ("dino_jpeg_batched", True)):
+        args = importlib.import_module("dino").get_args_parser().parse_args(parts[name].argv)
+        # the scripts' default loader on files: multi-crop, batch, 10 workers; 80 steps measured
+        assert (args.dataset, args.data_path, args.num_workers, args.batched_crops) == \
+            ("folder", str(folder), 10, batched)
+        assert (args.global_crop_size, args.local_crop_size, args.local_crops_number,
+                args.batch_size_per_gpu, args.max_steps_per_epoch, args.epochs) == \
+            (224, 96, 8, 64, 40, 2)
     assert parts["dino_two_processes"].env == {"NVIDIA_TF32_OVERRIDE": "0"}
     wrong = parts["dino"]
     wrong.argv = [*wrong.argv, "--no_such_flag"]
@@ -81,17 +94,83 @@ def test_cuda_count_takes_only_cudas_sync_warnings_and_names_their_lines(monkeyp
     assert counter.cuda == 2 and counter.cuda_sites == {f"tests/test_gpu_check.py:{line}": 2}
     assert warnings.showwarning is shown
 
+def test_step_figures_show_a_bursty_loader_that_the_median_hides():
+    """A loader at about half the GPU's speed, whose workers deliver in bursts: three batches
+    waiting, then a wait of 260 ms. The median wait is 0; the mean wait and the epoch's images/s
+    show it, and the sync counter's steps and the warm-up are left out."""
+    steps = [(5.0, 0.069)] + [(0.0, 0.069), (0.0, 0.069), (0.0, 0.069), (0.260, 0.069)] * 4
+    steps[3] = (9.0, 9.0)                                     # a counted step: not timed
+    figures = gpu_check.step_figures(steps, warmup=1, skipped=(3, 4), images_per_step=64)
+    assert figures["steps"] == 15 and figures["images"] == 15 * 64
+    assert figures["median_wait_s"] == 0 and figures["median_step_s"] == pytest.approx(0.069)
+    assert figures["mean_wait_s"] == pytest.approx(4 * 0.260 / 15)
+    assert figures["wall_s"] == pytest.approx(15 * 0.069 + 4 * 0.260)
+    assert figures["images_per_s"] * figures["wall_s"] == pytest.approx(15 * 64)
+    assert figures["images_per_s"] < 0.55 * 64 / 0.069       # not the 928 img/s of the median
+    assert figures["wait_share"] == pytest.approx(4 * 0.260 / figures["wall_s"])
+    assert gpu_check.step_figures(steps[:1], warmup=1, skipped=(0, 0), images_per_step=64) is None
+
+
+def test_jpeg_folder_is_made_once_reused_and_read_by_the_scripts_loader(tmp_path):
+    """ImageNet-like JPEGs (landscape and portrait around the nominal size, in class folders), made
+    in worker processes; a complete folder is reused as it is, one stopped half-way is made
+    again; the training scripts' ImageFolder reads every file."""
+    jpeg_folder = gpu_check.jpeg_folder
+    folder = jpeg_folder.make(tmp_path, 24, classes=3, size=100, processes=2)
+    assert folder == jpeg_folder.folder_for(tmp_path, 24, classes=3, size=100)
+    described = jpeg_folder.describe(folder)
+    assert described["images"] == 24 and 0 < described["portrait"] < 24
+    assert 80 <= described["mean_width"] <= 128 and 60 <= described["mean_height"] <= 128
+    dataset = common.ImageFolderSafe(str(folder))
+    assert len(dataset) == 24 and len(dataset.classes) == 3
+    assert all(int(Path(path).stem) % 3 == label for path, label in dataset.samples)
+    assert dataset[5][0].mode == "RGB" and dataset[5][0].size == Image.open(dataset.samples[5][0]).size
+    again = jpeg_folder.make(tmp_path, 24, classes=3, size=100, processes=2)  # reused, not made
+    assert again == folder and (folder / jpeg_folder.MARKER).stat().st_mtime_ns == \
+        (again / jpeg_folder.MARKER).stat().st_mtime_ns
+    first = (folder / "class00" / "000000.jpg").read_bytes()
+    (folder / jpeg_folder.MARKER).unlink()                   # as if stopped before the end
+    jpeg_folder.make(tmp_path, 24, classes=3, size=100, processes=1)
+    assert (folder / jpeg_folder.MARKER).is_file()
+    assert (folder / "class00" / "000000.jpg").read_bytes() == first   # the same images
+    assert jpeg_folder.describe(folder)["images"] == 24
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
 def test_cpu_form_every_part_passes_with_one_sync_per_step(tmp_path):
     """The reduced form of the GPU check, as CI runs it. Every part passes; each method's training step
     reads the GPU once (`common.average_step_stats`), so a method that gains a sync fails here (gpu_check marks it
     FAILED, naming the line); the resumed run ends where the uninterrupted one did, bit for bit on a CPU;
     two processes log the loss of one (the mean over the processes) and end at its weights."""
-    result = subprocess.run([sys.executable, "extras/perf/gpu_check.py", "--device", "cpu", "--out", str(tmp_path / "out")],
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "extras/perf/gpu_check.py", "--device", "cpu", "--out", str(out),
+                             "--jpeg_cache", str(tmp_path / "jpeg")],
                             cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     table = result.stdout.split("\n\npart ")[1].splitlines()[1:]
-    rows = {line.split()[0]: line for line in table if line.strip() and not line.startswith(("19 of", "\n"))}
+    rows = {line.split()[0]: line for line in table
+            if line.strip() and not re.match(r"\d+ of \d+ parts passed", line)}
     assert all(" ok " in row for row in rows.values())
+    assert {"dino_jpeg", "dino_jpeg_batched"} <= set(rows)
+    summary = {line["part"]: line for line in map(json.loads, (out / "summary.jsonl").read_text().splitlines())}
+    assert set(summary) == set(rows) and all(line["ok"] for line in summary.values())
+    trained = [*gpu_check.ARCH, "glsd_batched", "dino_jpeg", "dino_jpeg_batched"]
+    assert {name for name, line in summary.items() if line["figures"]} == set(trained)
+    for name in trained:                          # the line's figures, recorded and consistent
+        f = summary[name]["figures"]
+        assert all(math.isfinite(v) and v >= 0 for v in f.values()), f
+        args = json.loads((out / name / "args.json").read_text())
+        assert f["images"] == f["steps"] * args["batch_size_per_gpu"] and f["steps"] >= 2
+        assert f["images_per_s"] * f["wall_s"] == pytest.approx(f["images"])
+        assert f["mean_wait_s"] * f["steps"] == pytest.approx(f["wait_share"] * f["wall_s"])
+        assert 0 <= f["wait_share"] < 1 and f["median_wait_s"] <= f["median_step_s"]
+        assert (f"data wait mean {1e3 * f['mean_wait_s']:.0f} ms ({f['wait_share']:.0%} of the time"
+                in rows[name]) and f"epoch {f['images_per_s']:.0f} img/s (waits included" in rows[name]
+    for name in ("dino_jpeg", "dino_jpeg_batched"):   # the files, through a loader worker
+        args = json.loads((out / name / "args.json").read_text())
+        assert (args["dataset"], args["num_workers"]) == ("folder", 1)
+        assert Path(args["data_path"]).parent == tmp_path / "jpeg"
+    assert re.search(r"\(\d\.\d\dx the PIL crops' epoch images/s\)", rows["dino_jpeg_batched"])
     for method, allowed in gpu_check.SYNCS_PER_STEP.items():
         assert allowed == 1 and re.search(r"syncs/step (\d+)", rows[method]).group(1) == "1", rows[method]
     assert "relative difference 0.0e+00" in rows["dino_resumed"]
