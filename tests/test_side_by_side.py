@@ -4,6 +4,7 @@ JPEGs, with the fused-AdamW lever; the FLOP count against the ViT's own arithmet
 table; the JSON line and its provenance; the shims that run the authors' step, and the refusal of
 a folder without their files. The full smoke run with their code is run by hand:
 `python extras/perf/side_by_side.py --authors_code DIR --device cpu --smoke`."""
+import argparse
 import json
 import math
 import sys
@@ -35,7 +36,8 @@ def group_of_one():
 def check_figures(figures, steps, batch):
     assert figures["steps"] == steps and figures["images"] == steps * batch
     assert figures["images_per_s"] * figures["wall_s"] == pytest.approx(steps * batch)
-    assert figures["mean_wait_s"] * steps == pytest.approx(figures["wait_share"] * figures["wall_s"])
+    waited = figures["wait_share"] * figures["wall_s"]
+    assert figures["mean_wait_s"] * steps == pytest.approx(waited)
     assert math.isfinite(figures["loss"]) and figures["median_step_s"] > 0
     assert figures["peak_memory_mb"] is None                  # CPU: no per-measurement peak
 
@@ -63,10 +65,15 @@ def test_our_step_alone_and_the_levers_build_and_take_steps(group_of_one, tmp_pa
     assert fused == [None, True]
     args = side_by_side.our_args(SPEC, 2, "bf16", CPU, str(tmp_path))
     _, (student, teacher) = side_by_side.build_ours(args, CPU, 3, "compile")
-    compiled = torch._dynamo.eval_frame.OptimizedModule
-    assert isinstance(student.backbone, compiled) and isinstance(teacher.backbone, compiled)
-    # the EMA pairs the parameters by name: both sides compiled alike
-    assert [n for n, _ in student.named_parameters()] == [n for n, _ in teacher.named_parameters()]
+    assert student.backbone._compiled_call_impl and teacher.backbone._compiled_call_impl
+    assert student.head._compiled_call_impl is None
+    # the EMA pairs the parameters by name: compiled in place, they keep them
+    names = [n for n, _ in student.named_parameters()]
+    assert names == [n for n, _ in teacher.named_parameters()] and "backbone.cls_token" in names
+    # counted as the plain network is, without compiling (force_eager)
+    crops = side_by_side.random_crops(SPEC, 2, CPU)
+    assert side_by_side.flops_per_image(student, teacher, crops) == side_by_side.flops_per_image(
+        *side_by_side.build_ours(args, CPU, 3)[1], crops)
     torch._dynamo.reset()
 
 
@@ -151,18 +158,19 @@ def test_the_shims_run_the_authors_step_in_the_precision_measured_and_restore_to
         @staticmethod
         def is_dist_avail_and_initialized():
             return True
-    authors = side_by_side.argparse.Namespace(utils=Utils)
+    authors = argparse.Namespace(utils=Utils)
+    shims = side_by_side.authors_dino.shims
     before = (torch.cuda.amp.autocast, torch.Tensor.cuda, torch.cuda.synchronize,
               Utils.is_dist_avail_and_initialized)
     x = torch.ones(2, 2)
-    with side_by_side.authors_shims(authors, CPU, "bf16"):
+    with shims(authors, CPU, "bf16"):
         assert x.cuda(non_blocking=True) is x and torch.cuda.synchronize() is None
         assert not Utils.is_dist_avail_and_initialized()
         with torch.cuda.amp.autocast(True):
             assert (x @ x).dtype == torch.bfloat16
         with torch.cuda.amp.autocast(False):
             assert (x @ x).dtype == torch.float32
-    with side_by_side.authors_shims(authors, CPU, "fp32"), torch.cuda.amp.autocast(True):
+    with shims(authors, CPU, "fp32"), torch.cuda.amp.autocast(True):
         assert (x @ x).dtype == torch.float32                 # their fp32 run: no autocast
     assert (torch.cuda.amp.autocast, torch.Tensor.cuda, torch.cuda.synchronize,
             Utils.is_dist_avail_and_initialized) == before

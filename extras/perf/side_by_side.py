@@ -27,15 +27,14 @@ End to end (`--parts e2e`): each with its own loader on jpeg_folder.py's ImageNe
 ImageFolder, DataLoader) and ours (dino.py's loader, PIL crops and --batched_crops). Reported: the
 epoch's images/s over the wall time of the measured steps, and the mean data wait.
 
-Shims, outside their files: their `torch.cuda.amp.autocast` takes the precision measured (fp16 is
-exactly theirs); on a CPU their `.cuda()` and `torch.cuda.synchronize()` do nothing and their
-MetricLogger's final all-reduce (a CUDA tensor) is skipped. One JSON line per measurement is
-appended to --out with its provenance (extras/experiments/provenance.py).
+Their code is imported and run by authors_dino.py (with its shims: the precision measured; on a
+CPU, no CUDA calls). The order: steps alone, end to end, then the levers (compiling is the slowest
+to start: on a busy 2-core CPU 142 s for vit_pico, 296 s for ViT-Ti). One JSON line per
+measurement is appended to --out as it ends, with its provenance (extras/experiments/provenance.py).
 """
 import argparse
 import contextlib
 import gc
-import importlib
 import io
 import itertools
 import json
@@ -44,25 +43,23 @@ import socket
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torchvision
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "extras" / "experiments")]
+import authors_dino  # noqa: E402
 import common  # noqa: E402
 import dino  # noqa: E402
 import gpu_check  # noqa: E402  (step_figures: the same figures as the GPU check's)
 import jpeg_folder  # noqa: E402
 import provenance  # noqa: E402
 
-AUTHORS_FILES = ("main_dino.py", "utils.py", "vision_transformer.py")
 # Dense (no sparsity) tensor-core peaks from NVIDIA's data sheets, TFLOP/s, by a part of the name
 # torch.cuda.get_device_name gives; the first match wins (the H100 PCIe before the SXM).
 PEAK_TFLOPS = [("H200", {"bf16": 989, "fp16": 989}), ("H100 PCIe", {"bf16": 756, "fp16": 756}),
@@ -75,55 +72,6 @@ SPECS = {"paper": dict(arch="vit_small", patch_size=16, out_dim=65536, hidden_di
          "smoke": dict(arch="vit_tiny", patch_size=16, out_dim=1024, hidden_dim=256,
                        bottleneck_dim=64, global_size=64, local_size=32, local_crops=2)}
 AUTHORS_CROPS = dict(global_size=224, local_size=96)
-
-
-# ======== The authors' code, imported from their folder ==========================================
-def load_authors(folder):
-    """Their modules (main_dino, utils, vision_transformer), imported by path; they import each
-    other by bare name, so their folder goes first on sys.path."""
-    folder = Path(folder).resolve()
-    missing = [name for name in AUTHORS_FILES if not (folder / name).is_file()]
-    if missing:
-        common.die(f"--authors_code {folder}: no {', '.join(missing)} there (the authors' "
-                   "facebookresearch/dino files)")
-    sys.path.insert(0, str(folder))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        modules = {name: importlib.import_module(name) for name in
-                   ("main_dino", "utils", "vision_transformer")}
-    foreign = [m.__name__ for m in modules.values() if Path(m.__file__).parent != folder]
-    if foreign:
-        common.die(f"--authors_code {folder}: the module(s) {', '.join(foreign)} were imported "
-                   "from elsewhere first; run side_by_side.py in a fresh process")
-    return argparse.Namespace(**modules)
-
-
-@contextlib.contextmanager
-def authors_shims(authors, device, precision):
-    """Their training step, run as it is, in `precision` on `device`: their autocast
-    (`torch.cuda.amp.autocast(enabled)`, fp16) takes the dtype measured; on a CPU their CUDA-only
-    calls become no-ops. Everything is restored on exit."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
-    saved = [(torch.cuda.amp, "autocast", torch.cuda.amp.autocast)]
-
-    def autocast(enabled=True, **_):
-        return torch.autocast(device.type, dtype=dtype, enabled=enabled and precision != "fp32")
-    torch.cuda.amp.autocast = autocast
-    if device.type == "cpu":
-        saved += [(torch.Tensor, "cuda", torch.Tensor.cuda),
-                  (torch.cuda, "synchronize", torch.cuda.synchronize),
-                  (authors.utils, "is_dist_avail_and_initialized",
-                   authors.utils.is_dist_avail_and_initialized)]
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        torch.cuda.synchronize = lambda *a, **k: None
-        authors.utils.is_dist_avail_and_initialized = lambda: False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)   # torch.cuda.amp, weight_norm
-            yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
 
 
 # ======== A clock on the batches a train_one_epoch asks for =======================================
@@ -198,10 +146,9 @@ def build_ours(args, device, steps, lever=None):
     teacher = dino.build_model(args, 0.0).to(device)
     teacher.load_state_dict(student.state_dict())
     teacher.requires_grad_(False)
-    plain = (student, teacher)
-    if lever == "compile":  # the backbones only: the heads and loss run as they are
+    if lever == "compile":  # the backbones only, in place (the parameters keep their names)
         for model in (student, teacher):
-            model.backbone = torch.compile(model.backbone, dynamic=False)
+            model.backbone.compile(dynamic=False)
     wrapped = ddp(student, device)
     criterion = dino.DINOLoss(args.out_dim, args.local_crops_number + 2, args.warmup_teacher_temp,
                               args.teacher_temp, args.warmup_teacher_temp_epochs, args.epochs,
@@ -219,42 +166,6 @@ def build_ours(args, device, steps, lever=None):
             record = dino.train_one_epoch(wrapped, teacher, criterion, loader, optimizer, scaler,
                                           schedules, 0, 0, args, device)
         return record["loss"]
-    return train, plain
-
-
-def build_theirs(authors, spec, batch, precision, device, steps):
-    """main_dino.train_dino's networks, loss, optimizer, scaler and schedules, from their classes
-    and functions; returns (their train_one_epoch on a loader, the student and teacher)."""
-    vits = authors.vision_transformer
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)   # their weight_norm
-        student = vits.__dict__[spec["arch"]](patch_size=spec["patch_size"], drop_path_rate=0.1)
-        teacher = vits.__dict__[spec["arch"]](patch_size=spec["patch_size"])
-        head = dict(hidden_dim=spec["hidden_dim"], bottleneck_dim=spec["bottleneck_dim"])
-        student = authors.utils.MultiCropWrapper(student, vits.DINOHead(
-            student.embed_dim, spec["out_dim"], use_bn=False, norm_last_layer=True, **head))
-        teacher = authors.utils.MultiCropWrapper(teacher, vits.DINOHead(
-            teacher.embed_dim, spec["out_dim"], False, **head))
-    student, teacher = student.to(device), teacher.to(device)
-    wrapped = ddp(student, device)
-    teacher.load_state_dict(student.state_dict())
-    teacher.requires_grad_(False)
-    loss = authors.main_dino.DINOLoss(spec["out_dim"], spec["local_crops"] + 2, 0.04, 0.04, 0,
-                                      1).to(device)
-    optimizer = torch.optim.AdamW(authors.utils.get_params_groups(wrapped))
-    # their torch.cuda.amp.GradScaler() with --use_fp16; any scaler turns their autocast on
-    scaler = (None if precision == "fp32"
-              else torch.amp.GradScaler(device.type, enabled=precision == "fp16"))
-    cosine = authors.utils.cosine_scheduler
-    schedules = [cosine(0.0005 * batch / 256, 1e-6, 1, steps), cosine(0.04, 0.4, 1, steps),
-                 cosine(0.996, 1, 1, steps)]
-    settings = argparse.Namespace(epochs=1, clip_grad=3.0, freeze_last_layer=0)
-
-    def train(loader):
-        with authors_shims(authors, device, precision), contextlib.redirect_stdout(io.StringIO()):
-            stats = authors.main_dino.train_one_epoch(wrapped, teacher, teacher, loss, loader,
-                                                      optimizer, *schedules, 0, scaler, settings)
-        return stats["loss"]
     return train, (student, teacher)
 
 
@@ -265,7 +176,8 @@ def flops_per_image(student, teacher, crops):
     one = [c[:1] for c in crops]
     counts = []
     for model, views in ((student, one), (teacher, one[:2])):
-        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as f:
+        with (torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as f,
+              torch.compiler.set_stance("force_eager")):  # a compiled backbone, counted as it is
             model(views)
         counts.append(f.get_total_flops())
     return 3 * counts[0] + counts[1]
@@ -307,30 +219,33 @@ def released(device):
         torch.cuda.empty_cache()
 
 
-def step_alone(authors, spec, args, device, precisions, tmp):
-    """Every step-alone measurement (and the levers): yields one record each."""
-    steps = args.warmup + args.steps
-    flops = {}
+def step_plan(args, precisions):
+    """(code, precision, lever, batch) of each step alone: every batch in each side's precisions,
+    then the levers (ours, in its own precision, at the first batch)."""
     plan = []
-    for batch in args.batches:
+    for batch in args.batches if "step" in args.parts else []:
         plan += [("authors", p, None, batch) for p in precisions["authors"]]
         plan += [("ours", p, None, batch) for p in precisions["ours"]]
     if "levers" in args.parts:
-        plan += [("ours", precisions["ours"][0], lever, args.batches[0])
-                 for lever in args.levers]
-    if "step" not in args.parts:
-        plan = [p for p in plan if p[2]]
+        plan += [("ours", precisions["ours"][0], lever, args.batches[0]) for lever in args.levers]
+    return plan
+
+
+def step_alone(authors, spec, args, device, plan, tmp):
+    """The steps alone of `plan` (`step_plan`): yields one record each."""
+    steps = args.warmup + args.steps
+    flops = {}
     for code, precision, lever, batch in plan:
         record = {"measure": "step_alone", "code": code, "precision": precision,
                   "lever": lever, "batch_per_gpu": batch}
         try:
             crops = random_crops(spec, batch, device)
             if code == "authors":
-                train, models = build_theirs(authors, spec, batch, precision, device, steps)
+                train, models = authors_dino.build(authors, spec, batch, precision, device, steps)
             else:
                 train, models = build_ours(our_args(spec, batch, precision, device, tmp), device,
                                            steps, lever)
-            if code not in flops:  # once per model (a compiled copy counts as its plain one)
+            if code not in flops:  # once per model
                 flops[code] = flops_per_image(*models, crops)
             # each side's batch form: ours ((crops, geometry), labels), theirs (crops, labels)
             one = ((crops, None), None) if code == "ours" else (crops, None)
@@ -363,8 +278,8 @@ def end_to_end(authors, spec, args, device, precisions, tmp):
                   "data": data}
         try:
             if code == "authors":
-                train, _ = build_theirs(authors, spec, batch, precision, device, steps)
-                loader = authors_loader(authors, spec, folder, batch, args.num_workers, device)
+                train, _ = authors_dino.build(authors, spec, batch, precision, device, steps)
+                loader = authors_dino.loader(authors, spec, folder, batch, args.num_workers, device)
             else:
                 flags = ["--dataset", "folder", "--data_path", str(folder), "--num_workers",
                          str(args.num_workers), "--batched_crops", str(loader_kind == "batched")]
@@ -379,17 +294,6 @@ def end_to_end(authors, spec, args, device, precisions, tmp):
             train = loader = None   # its worker processes end with it
             released(device)
         yield record
-
-
-def authors_loader(authors, spec, folder, batch, workers, device):
-    """main_dino.train_dino's data: DataAugmentationDINO, ImageFolder, DistributedSampler."""
-    transform = authors.main_dino.DataAugmentationDINO((0.4, 1.0), (0.05, 0.4),
-                                                       spec["local_crops"])
-    dataset = torchvision.datasets.ImageFolder(str(folder), transform=transform)
-    sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True)
-    return torch.utils.data.DataLoader(dataset, sampler=sampler, batch_size=batch,
-                                       num_workers=workers, pin_memory=device.type == "cuda",
-                                       drop_last=True)
 
 
 def our_loader(args):
@@ -474,7 +378,7 @@ def main(argv=None):
     out = args.out or (tempfile.mkstemp(prefix="side_by_side_", suffix=".jsonl")[1] if args.smoke
                        else str(ROOT / "docs" / "data" / "side_by_side.jsonl"))
     provenance.check_log_writable(out, what="--out")
-    authors = load_authors(args.authors_code)
+    authors = authors_dino.load(args.authors_code)
     started = provenance.start()
     command = "python " + " ".join(sys.argv if argv is None else ["side_by_side.py", *argv])
     with socket.socket() as sock:   # a process group of one, as torchrun's with one GPU
@@ -497,10 +401,12 @@ def main(argv=None):
                       for p, peak in peaks.items()), flush=True)
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        measurements = itertools.chain(
-            step_alone(authors, spec, args, device, precisions, tmp),
+        plan = step_plan(args, precisions)
+        measurements = itertools.chain(   # the levers last: compiling is the longest to start
+            step_alone(authors, spec, args, device, [p for p in plan if not p[2]], tmp),
             end_to_end(authors, spec, args, device, precisions, tmp) if "e2e" in args.parts
-            else [])
+            else [],
+            step_alone(authors, spec, args, device, [p for p in plan if p[2]], tmp))
         for record in measurements:
             write_line(out, record, started, name, command)
             failed += "error" in record
