@@ -184,3 +184,34 @@ def test_a_folder_without_the_authors_files_is_refused_in_one_line(tmp_path, cap
     message = str(stop.value.code)
     assert message.startswith("error: --authors_code") and len(message.splitlines()) == 1
     assert "utils.py, vision_transformer.py" in message and not (tmp_path / "out.jsonl").exists()
+
+
+def test_gpu_run_steps_parse_with_each_scripts_parser_and_it_refuses_without_the_authors_code(
+        tmp_path):
+    """The one GPU script's three steps, parsed by their own scripts' parsers, sharing one JPEG
+    cache and writing the files to commit under --docs; without the authors' files it stops in
+    one line before anything runs."""
+    import gpu_check
+    import gpu_run
+    parsers = {"gpu_check": gpu_check.get_args_parser(), "loader_cost":
+               side_by_side.jpeg_folder.get_args_parser(),
+               "side_by_side": side_by_side.get_args_parser()}
+    for device in ("cuda", "cpu"):
+        args = gpu_run.get_args_parser().parse_args(
+            ["--device", device, "--out", str(tmp_path / "run"), "--docs", str(tmp_path / "d")])
+        steps = dict(gpu_run.steps(args))
+        assert list(steps) == ["gpu_check", "loader_cost", "side_by_side"]
+        parsed = {name: parsers[name].parse_args(cmd[2:]) for name, cmd in steps.items()}
+        assert {parsed["gpu_check"].jpeg_cache, parsed["loader_cost"].cache,
+                parsed["side_by_side"].jpeg_cache} == {"runs/jpeg_folders"}
+        assert parsed["gpu_check"].out == str(tmp_path / "run" / "gpu_check")
+        assert parsed["side_by_side"].out == str(tmp_path / "d" / "side_by_side.jsonl")
+        assert parsed["side_by_side"].authors_code == ".authors_dino"
+        assert parsed["side_by_side"].smoke == (device == "cpu")
+        assert parsed["loader_cost"].cost > 0 and parsed["gpu_check"].device == device
+    with pytest.raises(SystemExit) as stop:
+        gpu_run.main(["--authors_code", str(tmp_path / "none"), "--out", str(tmp_path / "run"),
+                      "--docs", str(tmp_path / "d")])
+    assert str(stop.value.code).startswith("error: --authors_code")
+    assert len(str(stop.value.code).splitlines()) == 1
+    assert not (tmp_path / "run").exists() and not (tmp_path / "d").exists()
