@@ -145,6 +145,21 @@ def test_jpeg_folder_is_made_once_reused_and_read_by_the_scripts_loader(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
 
 
+def test_jpeg_folders_cost_is_logged_with_its_provenance(tmp_path, capsys):
+    """`jpeg_folder.py --cost N --log FILE`: a loader worker's CPU milliseconds per image (decode,
+    and decode + each crop path, the default 2 x 224 + 8 x 96 crops) as a stamped JSON line."""
+    log = tmp_path / "cost.jsonl"
+    flags = ["--cache", str(tmp_path), "--images", "6", "--classes", "2", "--size", "64"]
+    gpu_check.jpeg_folder.main([*flags, "--cost", "3", "--log", str(log)])
+    line = json.loads(log.read_text())
+    cost = line["one_thread_cost"]
+    assert cost["images"] == 3 and 0 < cost["decode_ms"] < cost["pil_multicrop_ms"]
+    assert cost["batched_crops_ms"] > cost["decode_ms"] and line["images"] == 6
+    assert line["command"].endswith("--cost 3 --log " + str(log)) and line["utc"] and line["commit"]
+    with pytest.raises(SystemExit, match="^error: --log records the cost: give --cost N too$"):
+        gpu_check.jpeg_folder.main([*flags, "--log", str(log)])
+
+
 def test_cpu_form_every_part_passes_with_one_sync_per_step(tmp_path):
     """The reduced form of the GPU check, as CI runs it. Every part passes; each method's training
     step reads the GPU once (`common.average_step_stats`), so a method that gains a sync fails here

@@ -209,6 +209,7 @@ def test_gpu_run_steps_parse_with_each_scripts_parser_and_it_refuses_without_the
         assert parsed["side_by_side"].authors_code == ".authors_dino"
         assert parsed["side_by_side"].smoke == (device == "cpu")
         assert parsed["loader_cost"].cost > 0 and parsed["gpu_check"].device == device
+        assert parsed["loader_cost"].log == str(tmp_path / "d" / "loader_cost.jsonl")
     with pytest.raises(SystemExit) as stop:
         gpu_run.main(["--authors_code", str(tmp_path / "none"), "--out", str(tmp_path / "run"),
                       "--docs", str(tmp_path / "d")])

@@ -12,15 +12,16 @@ with what is left of --budget (default 9.5 min):
      for the 11 parts before the JPEG ones (docs/data/gpu_check_h200.txt); the two JPEG parts (80
      steps each, 10 workers, loader-bound at 300-500 img/s if a core decodes and crops an image
      in 20-35 ms) and making the 4,000 JPEGs (about 6 s on 16 cores) add about 1 min: 3.5 min.
-  2. extras/perf/jpeg_folder.py --cost: one core's milliseconds per JPEG for each crop path (10 s).
+  2. extras/perf/jpeg_folder.py --cost 96: a core's CPU milliseconds per JPEG for each crop path
+     (10 s).
   3. extras/perf/side_by_side.py: 8 steps alone (25 steps each, 70-200 ms, and a build) about
      1.5 min, end to end 3 x 50 steps about 1 min, fused AdamW 10 s, torch.compile's first steps 1
      to 2 min (not measured): 3.5-4.5 min.
 The estimate is 7.5-8.5 min; a step that overruns is ended (its lines so far are kept) and the next
 gets what is left. Writes into --docs: gpu_run_<gpu>_<date>.txt (everything printed, under a
-header of command, times, commit and machine), gpu_check.jsonl and loader_cost.jsonl (one stamped
-line per part / measurement) and side_by_side.jsonl (side_by_side.py's lines); then prints what to
-commit.
+header of command, times, commit and machine), gpu_check.jsonl (one line per part),
+loader_cost.jsonl and side_by_side.jsonl (the other steps' lines), each line with its provenance;
+then prints what to commit.
 """
 import argparse
 import json
@@ -65,7 +66,8 @@ def steps(args):
     check = [*python, "extras/perf/gpu_check.py", "--out", str(Path(args.out) / "gpu_check"),
              "--jpeg_cache", args.jpeg_cache, "--device", args.device]
     cost = [*python, "extras/perf/jpeg_folder.py", "--cache", args.jpeg_cache,
-            *(["--images", "32", "--size", "96", "--cost", "8"] if cpu else ["--cost", "48"])]
+            "--log", str(Path(args.docs) / "loader_cost.jsonl"),
+            *(["--images", "32", "--size", "96", "--cost", "8"] if cpu else ["--cost", "96"])]
     side = [*python, "extras/perf/side_by_side.py", "--authors_code", args.authors_code,
             "--device", args.device, "--jpeg_cache", args.jpeg_cache,
             "--out", str(Path(args.docs) / "side_by_side.jsonl"),
@@ -77,16 +79,14 @@ def steps(args):
 def run(command, seconds, log):
     """`command`'s output, echoed and appended to `log`; after `seconds` its process group (loader
     workers, the check's parts) gets SIGTERM (gpu_check then ends its part), 30 s later SIGKILL.
-    Returns (exit status, output, whether it was ended)."""
+    Returns (exit status, whether it was ended)."""
     child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
-    lines = []
 
     def echo():
         for line in child.stdout:
             print(line, end="", flush=True)
             log.write(line)
-            lines.append(line)
     reader = threading.Thread(target=echo)
     reader.start()
     ended = False
@@ -101,7 +101,7 @@ def run(command, seconds, log):
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
     reader.join()
-    return child.returncode, "".join(lines), ended
+    return child.returncode, ended
 
 
 def machine():
@@ -160,12 +160,13 @@ def main(argv=None):
             log.write(f"\n# ---- {name}: {' '.join(cmd[1:])} (at most {left:.0f} s)\n")
             log.flush()
             start = time.time()
-            code, output, ended = run(cmd, left, log)
+            code, ended = run(cmd, left, log)
             status[name] = (f"exit status {code} in {time.time() - start:.0f} s"
                             + (" (ended: over the budget)" if ended else ""))
             log.write(f"# {name}: {status[name]}\n")
             log.flush()
-            stamped(name, output, out, docs, started, command, gpu)
+            if name == "gpu_check":
+                record_check(out, docs, started, command, gpu)
         log.write(f"# ended {provenance.utc_now()} UTC\n")
     print(f"\ngpu_run: {'; '.join(f'{k} {v}' for k, v in status.items())}\nto commit: "
           + " ".join(str(docs / f) for f in (text.name, "gpu_check.jsonl", "loader_cost.jsonl",
@@ -173,22 +174,15 @@ def main(argv=None):
     return 0 if all(v.startswith("exit status 0 ") for v in status.values()) else 1
 
 
-def stamped(name, output, out, docs, started, command, gpu):
-    """The lines a step leaves for docs/data, with their provenance: each gpu_check part (its
-    summary.jsonl) and each JSON line of the loader cost."""
-    if name == "gpu_check":
-        summary = out / "gpu_check" / "summary.jsonl"
-        lines = ([json.loads(line) for line in summary.read_text().splitlines()]
-                 if summary.exists() else [])
-        target = docs / "gpu_check.jsonl"
-    elif name == "loader_cost":
-        lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-        target = docs / "loader_cost.jsonl"
-    else:
-        return  # side_by_side.py writes its own
-    with open(target, "a") as f:
-        for line in lines:
-            f.write(json.dumps({**line, "device": gpu, "command": command,
+def record_check(out, docs, started, command, gpu):
+    """gpu_check's parts (its summary.jsonl) as lines of docs/data/gpu_check.jsonl, with their
+    provenance (the other steps write their own lines)."""
+    summary = out / "gpu_check" / "summary.jsonl"
+    if not summary.exists():
+        return
+    with open(docs / "gpu_check.jsonl", "a") as f:
+        for line in summary.read_text().splitlines():
+            f.write(json.dumps({**json.loads(line), "device": gpu, "command": command,
                                 **provenance.stamp(started)}) + "\n")
 
 

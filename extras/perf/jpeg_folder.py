@@ -116,26 +116,27 @@ def describe(folder):
 
 
 def cost_per_image(folder, count=48, seed=0):
-    """Milliseconds of one CPU thread per image, over `count` images of `folder`, for what a loader
-    worker does with DINO's default crops (2 x 224 + 8 x 96): decode alone, decode + the PIL
-    multi-crop (the default path), decode + `--batched_crops` (in one batch)."""
+    """CPU milliseconds per image at one thread (process time: other jobs on the machine do not
+    inflate it), over `count` images of `folder`, for what a loader worker does with DINO's
+    default crops (2 x 224 + 8 x 96): decode alone, decode + the PIL multi-crop (the default
+    path), decode + `--batched_crops` (in one batch)."""
     paths = sorted(Path(folder).glob("class*/*.jpg"))[:count]
     augment = common.MultiCropAugmentation()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        start = time.perf_counter()
+        start = time.process_time()
         decoded = [common.load_image(p) for p in paths]
-        decode = time.perf_counter() - start
-        start = time.perf_counter()
+        decode = time.process_time() - start
+        start = time.process_time()
         for i, path in enumerate(paths):
             torch.manual_seed(seed + i)
             augment(common.load_image(path))
-        pil = time.perf_counter() - start
-        start = time.perf_counter()
+        pil = time.process_time() - start
+        start = time.process_time()
         pixels = [pil_to_tensor(common.load_image(p)) for p in paths]
         common.batched_multicrop(augment, pixels, [seed + i for i in range(len(paths))])
-        batched = time.perf_counter() - start
+        batched = time.process_time() - start
     finally:
         torch.set_num_threads(threads)
     per_image = 1e3 / len(decoded)
@@ -159,6 +160,9 @@ def get_args_parser():
                    help="processes that make the images (default: every core)")
     p.add_argument("--cost", default=0, type=common.COUNT,
                    help="then time a loader worker's work on N of the images at one thread")
+    p.add_argument("--log", default=None,
+                   help="append the cost as a JSON line with its provenance (e.g. "
+                        "docs/data/loader_cost.jsonl)")
     return p
 
 
@@ -167,13 +171,27 @@ def main(argv=None):
     if args.classes > args.images:
         common.die(f"--classes {args.classes} is more than --images {args.images}: a class "
                    "folder would be empty")
+    if args.log and not args.cost:
+        common.die("--log records the cost: give --cost N too")
+    sys.path.insert(0, str(ROOT / "extras" / "experiments"))
+    import provenance
+    if args.log:
+        provenance.check_log_writable(args.log)
+    started = provenance.start()
     start = time.time()
     folder = make(args.cache, args.images, args.classes, args.size, args.quality, args.seed,
                   args.processes)
-    print(json.dumps({"folder": str(folder), "seconds": round(time.time() - start, 1),
-                      **describe(folder)}))
+    made = {"folder": str(folder), "seconds": round(time.time() - start, 1), **describe(folder)}
+    print(json.dumps(made))
     if args.cost:
-        print(json.dumps({"one_thread_cost": cost_per_image(folder, args.cost)}))
+        cost = {"one_thread_cost": cost_per_image(folder, args.cost)}
+        print(json.dumps(cost))
+    if args.log:
+        words = sys.argv[1:] if argv is None else argv
+        command = "python extras/perf/jpeg_folder.py " + " ".join(words)
+        with open(args.log, "a") as f:
+            f.write(json.dumps({**made, **cost, "command": command, **provenance.stamp(started)})
+                    + "\n")
 
 
 if __name__ == "__main__":
