@@ -204,7 +204,7 @@ def test_gpu_run_steps_parse_with_each_scripts_parser_and_it_refuses_without_the
         parsed = {name: parsers[name].parse_args(cmd[2:]) for name, cmd in steps.items()}
         assert {parsed["gpu_check"].jpeg_cache, parsed["loader_cost"].cache,
                 parsed["side_by_side"].jpeg_cache} == {"runs/jpeg_folders"}
-        assert parsed["gpu_check"].out == str(tmp_path / "run" / "gpu_check")
+        assert parsed["gpu_check"].out == str(tmp_path / "run" / "gpu_check")  # main adds a time
         assert parsed["side_by_side"].out == str(tmp_path / "d" / "side_by_side.jsonl")
         assert parsed["side_by_side"].authors_code == ".authors_dino"
         assert parsed["side_by_side"].smoke == (device == "cpu")
@@ -216,3 +216,4 @@ def test_gpu_run_steps_parse_with_each_scripts_parser_and_it_refuses_without_the
     assert str(stop.value.code).startswith("error: --authors_code")
     assert len(str(stop.value.code).splitlines()) == 1
     assert not (tmp_path / "run").exists() and not (tmp_path / "d").exists()
+    assert not list(tmp_path.iterdir())

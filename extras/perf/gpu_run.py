@@ -2,12 +2,11 @@
 authors' DINO beside ours, in under 10 minutes on one H200; every figure left in files to commit.
 
     mkdir -p .authors_dino && cp DINO/{main_dino,utils,vision_transformer}.py .authors_dino/
-    python extras/perf/gpu_run.py                              # writes docs/data/, runs/gpu_run/
-    python extras/perf/gpu_run.py --out $OUT/run --docs $OUT/data   # where a lent machine's
-                                                               # files come back from
+    python extras/perf/gpu_run.py                   # writes docs/data/ and runs/gpu_run/<time>/
+    python extras/perf/gpu_run.py --docs $OUT/data  # a lent machine: its $OUT comes back
 
 `.authors_dino/` (ignored by git) holds the authors' facebookresearch/dino files. In order, each
-with what is left of --budget (default 9.5 min):
+with what is left of --budget (default 9 min):
   1. extras/perf/gpu_check.py (every part, the JPEG parts included): 2.3 min measured on one H200
      for the 11 parts before the JPEG ones (docs/data/gpu_check_h200.txt); the two JPEG parts (80
      steps each, 10 workers, loader-bound at 300-500 img/s if a core decodes and crops an image
@@ -49,10 +48,13 @@ def get_args_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--authors_code", default=".authors_dino",
                    help="folder of the authors' main_dino.py, utils.py, vision_transformer.py")
-    p.add_argument("--out", default="runs/gpu_run", help="a new or empty folder: every log")
+    p.add_argument("--out", default="runs/gpu_run",
+                   help="every log and checkpoint, in a new folder <UTC time> inside it (keep it "
+                        "off a lent machine's $OUT: the checkpoints are large)")
     p.add_argument("--docs", default="docs/data", help="where the files to commit are written")
-    p.add_argument("--budget", default=570, type=common.POSITIVE_INT,
-                   help="seconds for the whole run; each step gets what is left")
+    p.add_argument("--budget", default=540, type=common.POSITIVE_INT,
+                   help="seconds for the whole run (a lent machine's command may take 600, and "
+                        "a step past the budget has 30 s to end); each step gets what is left")
     p.add_argument("--jpeg_cache", default="runs/jpeg_folders")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: the plumbing on a CPU (gpu_check's CPU form, side_by_side's smoke)")
@@ -130,9 +132,8 @@ def main(argv=None):
                    "authors' facebookresearch/dino files there first (the folder is ignored by "
                    "git)")
     docs = Path(args.docs)
+    args.out = str(Path(args.out) / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     out = Path(args.out)
-    if out.is_dir() and any(out.iterdir()):
-        common.die(f"--out {out} is not empty: remove it or choose another folder")
     describe, gpu = machine()
     if args.device == "cuda" and gpu == "no GPU":
         common.die("no GPU is visible; --device cpu runs the plumbing on a CPU")

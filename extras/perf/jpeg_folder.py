@@ -1,17 +1,18 @@
 """An ImageFolder of ImageNet-like JPEGs, made once and reused: what a loader-bound run reads.
 
-    python extras/perf/jpeg_folder.py                       # 4,000 images in runs/jpeg_folders/
-    python extras/perf/jpeg_folder.py --images 64 --size 96 # the CPU form's small folder
-    python extras/perf/jpeg_folder.py --cost 48             # also a JPEG's CPU cost, at one thread
+    python extras/perf/jpeg_folder.py                        # 4,000 images in runs/jpeg_folders/
+    python extras/perf/jpeg_folder.py --images 32 --size 96  # the CPU form's small folder
+    python extras/perf/jpeg_folder.py --cost 96 --log docs/data/loader_cost.jsonl
+                                                  # and a loader worker's CPU time per JPEG
 
 The procedural images of `--dataset synthetic` are drawn in memory: no file is read and nothing is
 decoded, so a run on them cannot show a loader that is slower than the GPU. These are files like
-ImageNet's: widths 400-640 and heights 300-500 px at --size 500 (one in eight portrait), about
-110 KB each at JPEG quality 90 (a smooth colour field, shapes with edges, grain), in --classes class
-folders. A folder is named by its parameters and holds `.made.json` once complete, so a second
-call with the same parameters reuses it and one stopped half-way is made again. Used by
-gpu_check.py (its JPEG parts) and side_by_side.py (the end-to-end runs). Not imported by any
-training script.
+ImageNet's: widths 400-640 and heights 300-500 px at --size 500 (one in eight turned to portrait;
+one in five taller than wide in all), about 105 KB each at JPEG quality 90 (a smooth colour field,
+shapes with edges, grain), in --classes class folders. A folder is named by its parameters and
+holds `.made.json` once complete, so a second call with the same parameters reuses it and one
+stopped half-way is made again (4,000 images: 63 s on a busy 2-core CPU). Used by gpu_check.py
+(its JPEG parts), side_by_side.py (end to end) and gpu_run.py. Imported by no training script.
 """
 import argparse
 import json
