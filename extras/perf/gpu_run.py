@@ -85,6 +85,12 @@ def run(command, seconds, log):
     child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
 
+    def pass_on(signum, _frame):  # this run stopped (kill, Ctrl-C): the step's group is ended too
+        os.killpg(child.pid, signal.SIGTERM)
+        raise SystemExit(f"gpu_run stopped by signal {signum}; the step running was ended")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, pass_on)
+
     def echo():
         for line in child.stdout:
             print(line, end="", flush=True)
@@ -131,6 +137,8 @@ def main(argv=None):
         common.die(f"--authors_code {args.authors_code}: no {', '.join(missing)}; copy the "
                    "authors' facebookresearch/dino files there first (the folder is ignored by "
                    "git)")
+    for name in ("authors_code", "out", "docs", "jpeg_cache"):  # the steps run from the root
+        setattr(args, name, str(Path(getattr(args, name)).resolve()))
     docs = Path(args.docs)
     args.out = str(Path(args.out) / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     out = Path(args.out)

@@ -211,6 +211,12 @@ def measure(train, clock, device, warmup, batch):
     return {**figures, "warmup_s": warm, "loss": loss, "peak_memory_mb": peak}
 
 
+def failure(e):
+    """A measurement's error in one line."""
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[0][:300]}"
+
+
 def released(device):
     """After a measurement: its networks, optimizer states and compiled graphs freed."""
     torch._dynamo.reset()
@@ -255,10 +261,11 @@ def step_alone(authors, spec, args, device, plan, tmp):
             achieved = flops[code] * batch / figures["median_step_s"]
             record.update(figures, gflop_per_image=flops[code] / 1e9,
                           peak_tflops=peak and peak / 1e12, mfu=peak and achieved / peak)
-        except (RuntimeError, ValueError) as e:   # out of memory, a compile error: the next goes on
-            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        # out of memory, a compile error, a non-finite loss's exit: recorded, the next goes on
+        except (Exception, SystemExit) as e:
+            record["error"] = failure(e)
         finally:
-            train = models = crops = None
+            train = models = crops = one = None
             released(device)
         yield record
 
@@ -288,8 +295,8 @@ def end_to_end(authors, spec, args, device, precisions, tmp):
                 loader = our_loader(ours)
             record.update(measure(train, Clock(loader, steps, device, every_step=False), device,
                                   args.e2e_warmup, batch))
-        except (RuntimeError, ValueError) as e:
-            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        except (Exception, SystemExit) as e:
+            record["error"] = failure(e)
         finally:
             train = loader = None   # its worker processes end with it
             released(device)
