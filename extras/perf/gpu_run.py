@@ -85,7 +85,8 @@ def run(command, seconds, log):
     child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
 
-    def pass_on(signum, _frame):  # this run stopped (kill, Ctrl-C): the step's group is ended too
+    def pass_on(signum, _frame):
+        """gpu_run stopped by a kill or Ctrl-C: the step's process group is ended with it."""
         os.killpg(child.pid, signal.SIGTERM)
         raise SystemExit(f"gpu_run stopped by signal {signum}; the step running was ended")
     for sig in (signal.SIGTERM, signal.SIGINT):
