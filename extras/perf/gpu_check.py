@@ -1,16 +1,19 @@
 """The first GPU run in one command: every training script at paper size, the GPU-only paths, a
 summary.
 
-    python extras/perf/gpu_check.py               # 1+ GPUs: 2.3 min on one H200, no download
+    python extras/perf/gpu_check.py               # 1+ GPUs: 2.3 min on one H200 (before the
+                                                  # JPEG parts), no download
     python extras/perf/gpu_check.py --device cpu  # the reduced form (tiny models, gloo) that
-                                             # tests/test_gpu_check.py runs
+                                                  # tests/test_gpu_check.py runs
 
 Each part (docs/FIRST_GPU_RUN.md lists them and what each line should show) runs in its own
 processes, forked from this one (torch is imported once) with torchrun's environment, so every
 script runs inside a process group (NCCL; one rank on one GPU); a part is skipped when a part it
 needs failed. Every part's flags are parsed by its script's own parser before anything runs; rank
 r's output is in --out/<part>.rank<r>.log, whose first line is the command that repeats the part by
-hand.
+hand; --out/summary.jsonl holds each part's line and its step figures (`step_figures`). The JPEG
+parts read a folder of ImageNet-like JPEGs that jpeg_folder.py makes at the start (once per
+--jpeg_cache).
 """
 import argparse
 import atexit
@@ -37,6 +40,7 @@ import common  # noqa: E402
 # the host-sync counter and the parts, in this file's folder (on sys.path when it runs as a script)
 from sync_counter import CUDA_SYNC, SyncCounter  # noqa: E402,F401
 from gpu_parts import ARCH, FORMS, Part, check_commands, plan  # noqa: E402,F401
+import jpeg_folder  # noqa: E402
 
 
 # ======== In a part's process: a clock on the loader of train_one_epoch ===========================
@@ -194,26 +198,48 @@ def output(out, name, rank=0):
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def step_figures(steps, warmup, skipped, images_per_step):
+    """What a part's measured steps show: `steps` is [(data wait, compute)] per step in seconds;
+    the first `warmup` and those in the window `skipped` (the sync counter's) are left out. The
+    median step says what the GPU computes; the mean wait and the images over the wall time of the
+    measured steps say what a run gets, since a loader's workers deliver in bursts (a loader at
+    half the GPU's speed can show a median wait of 0)."""
+    kept = [(wait, wait + compute) for i, (wait, compute) in enumerate(steps)
+            if i >= warmup and not skipped[0] <= i < skipped[1]]
+    if not kept:
+        return None
+    waits = [wait for wait, _ in kept]
+    wall = sum(step for _, step in kept)
+    images = images_per_step * len(kept)
+    return {"steps": len(kept), "median_step_s": statistics.median(s for _, s in kept),
+            "median_wait_s": statistics.median(waits), "mean_wait_s": statistics.mean(waits),
+            "wait_share": sum(waits) / wall, "images": images, "wall_s": wall,
+            "images_per_s": images / wall}
+
+
 def training(part, out, form, problems):
-    """The line of a training part: precision, step time, data wait, images/s, peak memory, loss,
-    syncs."""
+    """The line of a training part (precision, median step, data wait, images/s at the median step
+    and over the measured steps, peak memory, loss, syncs) and its figures (`step_figures`)."""
     folder = out / part.name
-    f = FORMS[form]
     logged = records(folder)
     args = json.loads((folder / "args.json").read_text())
     if not logged or not all(math.isfinite(r["loss"]) for r in logged):
         problems.append("a missing or non-finite loss in log.txt")
     report = json.loads((out / f"{part.name}.json").read_text())
-    steps = [(w, w + c) for i, (w, c) in enumerate(report["steps"])
-             if i >= f["warmup"] and not part.sync_window[0] <= i < part.sync_window[1]]
-    steps = steps or [(0, math.nan)]
-    step = statistics.median(s for _, s in steps)
-    wait = statistics.median(w for w, _ in steps)
-    text = (f"{args['precision']}{' (auto)' if args.get('precision_auto') else ''}, "
-            f"{1e3 * step:.0f} ms/step, data wait {1e3 * wait:.0f} ms, "
-            f"{args['batch_size_per_gpu'] * part.nproc / step:.0f} img/s, "
-            f"{max(r['peak_memory_mb'] for r in logged):,.0f} MB, loss {logged[-1]['loss']:.4g}"
-            if logged else "no log")
+    batch = args["batch_size_per_gpu"] * part.nproc
+    figures = step_figures(report["steps"], FORMS[form]["warmup"], part.sync_window, batch)
+    if figures is None:
+        problems.append("no step was measured")
+    text = "no log"
+    if logged and figures:
+        step = figures["median_step_s"]
+        text = (f"{args['precision']}{' (auto)' if args.get('precision_auto') else ''}, "
+                f"{1e3 * step:.0f} ms/step median ({batch / step:.0f} img/s), data wait mean "
+                f"{1e3 * figures['mean_wait_s']:.0f} ms ({figures['wait_share']:.0%} of the "
+                f"time; median {1e3 * figures['median_wait_s']:.0f} ms), epoch "
+                f"{figures['images_per_s']:.0f} img/s (waits included, {figures['steps']} "
+                f"steps), {max(r['peak_memory_mb'] for r in logged):,.0f} MB, "
+                f"loss {logged[-1]['loss']:.4g}")
     if report["syncs"]:
         counter = max(s["counter"] for s in report["syncs"])
         cuda = [s["cuda"] for s in report["syncs"] if s["cuda"] is not None]
@@ -224,7 +250,7 @@ def training(part, out, form, problems):
             cuda_sites = {k: v for s in report["syncs"] for k, v in s.get("cuda_sites", {}).items()}
             problems.append(f"more than {allowed} host sync(s) per step (counted at {sites}; "
                             f"CUDA's at {cuda_sites})")
-    return text, step
+    return text, figures
 
 
 def rms(tensors):
@@ -251,9 +277,15 @@ def checkpoint(out, name):
     return torch.load(out / name / "checkpoint.pth", map_location="cpu", weights_only=True)
 
 
-def evaluate(part, result, out, form, steps):
-    """(passed, the summary line's text) of a part that ran; `steps` collects median steps by
-    part."""
+# a training part compared with another by their epoch images/s: (part, the other, what it is)
+COMPARED = {"glsd_batched": ("glsd", "the PIL crops'"),
+            "dino_jpeg": ("dino", "the procedural images'"),
+            "dino_jpeg_batched": ("dino_jpeg", "the PIL crops'")}
+
+
+def evaluate(part, result, out, form, figures):
+    """(passed, the summary line's text) of a part that ran; `figures` collects the training
+    parts' step figures by part."""
     codes, seconds, timed_out = result
     if timed_out or any(codes):
         failed_rank = next((r for r, c in enumerate(codes) if c), 0)
@@ -264,10 +296,12 @@ def evaluate(part, result, out, form, steps):
     problems = []
     text = ""
     log = output(out, part.name)
-    if part.name in ARCH or part.name == "glsd_batched":
-        text, steps[part.name] = training(part, out, form, problems)
-        if part.name == "glsd_batched" and "glsd" in steps:
-            text += f" ({steps['glsd'] / steps[part.name]:.2f}x the PIL crops' images/s)"
+    if part.name in ARCH or part.name in COMPARED:
+        text, figures[part.name] = training(part, out, form, problems)
+        other, what = COMPARED.get(part.name, (None, ""))
+        if figures[part.name] and figures.get(other):
+            ratio = figures[part.name]["images_per_s"] / figures[other]["images_per_s"]
+            text += f" ({ratio:.2f}x {what} epoch images/s)"
     elif part.name == "dino_preempted":
         ckpt = checkpoint(out, part.name)
         text = (f"stopped by SIGTERM during step {part.preempt_at}, checkpoint at epoch "
@@ -337,6 +371,9 @@ def get_args_parser():
     p.add_argument("--parts", nargs="+", help="run only these parts (with the parts they need)")
     p.add_argument("--timeout", default=300, type=common.POSITIVE_INT,
                    help="seconds a part may take")
+    p.add_argument("--jpeg_cache", default="runs/jpeg_folders",
+                   help="where the JPEG parts' image folder is made once and reused "
+                        "(extras/perf/jpeg_folder.py)")
     return p
 
 
@@ -349,7 +386,7 @@ def main(argv=None):
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()):
         common.die(f"--out {out} is not empty: remove it or choose another folder")
-    parts = plan(form, gpus, out)
+    parts = plan(form, gpus, out, args.jpeg_cache)
     if args.parts:
         unknown = sorted(set(args.parts) - {p.name for p in parts})
         if unknown:
@@ -363,6 +400,11 @@ def main(argv=None):
           f"{torch.__version__}, {len(parts)} parts; logs in {out}", flush=True)
     results = {}
     start = time.time()
+    if any(p.name.startswith("dino_jpeg") for p in parts):
+        jpeg = FORMS[form]["jpeg"]
+        folder = jpeg_folder.make(args.jpeg_cache, jpeg["images"], size=jpeg["size"])
+        print(f"JPEG folder {folder}: {json.dumps(jpeg_folder.describe(folder))}, ready in "
+              f"{time.time() - start:.0f} s", flush=True)
     # kill, timeout: end the running part as Ctrl-C does
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -380,8 +422,9 @@ def main(argv=None):
         end(_running)
         raise SystemExit("gpu_check stopped (Ctrl-C or SIGTERM): the part running was ended; its "
                          f"logs are in {out}") from None
-    steps = {}
+    figures = {}
     failed = []
+    summary = []  # summary.jsonl: each part's line and figures, for gpu_run.py and the tests
     print(f"\n{'part':23} {'exit':5} {'result':7} details")
     for part in parts:
         if part.name not in results:
@@ -390,7 +433,7 @@ def main(argv=None):
             codes = "-"
         else:
             try:
-                ok, text = evaluate(part, results[part.name], out, form, steps)
+                ok, text = evaluate(part, results[part.name], out, form, figures)
             except (OSError, KeyError, ValueError, IndexError) as e:
                 # a file the part should have written is missing or malformed
                 ok = False
@@ -398,6 +441,9 @@ def main(argv=None):
             codes = ",".join(map(str, results[part.name][0]))
         failed += [] if ok else [part.name]
         print(f"{part.name:23} {codes:5} {'ok' if ok else 'FAILED':7} {text}")
+        summary.append({"part": part.name, "ok": ok, "exit": codes, "details": text,
+                        "command": part.command(), "figures": figures.get(part.name)})
+    (out / "summary.jsonl").write_text("".join(json.dumps(line) + "\n" for line in summary))
     print(f"\n{len(parts) - len(failed)} of {len(parts)} parts passed in "
           f"{(time.time() - start) / 60:.1f} min"
           + (f"; failed: {' '.join(failed)} (docs/FIRST_GPU_RUN.md says what to do)"

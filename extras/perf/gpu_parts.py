@@ -7,6 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
+import jpeg_folder  # noqa: E402  (this file's folder is on sys.path, as for gpu_check.py)
 
 
 # ======== The parts of each form ==================================================================
@@ -35,7 +36,9 @@ FORMS = {
                 # the scripts' defaults
                 batch={"dino": 64, "esvit": 32, "glsd": 32, "selfpatch": 64, "drloc": 128},
                 arch={"vit": ["--arch", "vit_small"], "swin": ["--arch", "swin_tiny"]}, ssl=[],
-                selfpatch=[], drloc=["--val_subset", "512"], eval=["--batch_size_per_gpu", "128"]),
+                selfpatch=[], drloc=["--val_subset", "512"], eval=["--batch_size_per_gpu", "128"],
+                # ImageNet-like JPEGs read by the scripts' default loader: 10 workers, PIL crops
+                jpeg=dict(images=4000, size=500, steps=40, workers=10)),
     "cpu": dict(steps=3, warmup=1, syncs=2, preempt=1, size=64, eval_images=64, linear_epochs=2,
                 batch=dict.fromkeys(ARCH, 8),
                 pairs=["dino", "esvit", "glsd", "selfpatch"], pair_steps=2, pair_batch=4,
@@ -46,22 +49,31 @@ FORMS = {
                      "--head_hidden_dim", "64", "--head_bottleneck_dim", "32"],
                 selfpatch=["--patch_out_dim", "64"],
                 drloc=["--input_size", "64", "--val_subset", "8"],
-                eval=["--batch_size_per_gpu", "16", "--resize", "64", "--crop", "64"]),
+                eval=["--batch_size_per_gpu", "16", "--resize", "64", "--crop", "64"],
+                jpeg=dict(images=32, size=96, steps=3, workers=1)),
 }
 
 
-def plan(form, gpus, out):
-    """The parts of the GPU form (`gpus` GPUs) or of the CPU form, writing under `out`."""
+def jpeg_data(form, jpeg_cache):
+    """The JPEG parts' folder (jpeg_folder.py's, made by gpu_check before the parts run)."""
+    jpeg = FORMS[form]["jpeg"]
+    return jpeg_folder.folder_for(jpeg_cache, jpeg["images"], size=jpeg["size"])
+
+
+def plan(form, gpus, out, jpeg_cache="runs/jpeg_folders"):
+    """The parts of the GPU form (`gpus` GPUs) or of the CPU form, writing under `out`; the JPEG
+    parts read their folder from `jpeg_cache`."""
     f = FORMS[form]
     out = Path(out)
     device = ["--device", "cpu", "--num_workers", "0"] if form == "cpu" else []
     data = ["--dataset", "synthetic", "--synthetic_image_size", str(f["size"])]
 
     def train(method, name=None, steps=f["steps"], epochs=2, batch=None, extra=(), images=None,
-              **kw):
+              folder=None, **kw):
         batch = batch or f["batch"][method]
-        argv = [*f["arch"][ARCH[method]], *data,
-                "--synthetic_images", str(images or batch * steps),
+        drawn = [*data, "--synthetic_images", str(images or batch * steps)]
+        argv = [*f["arch"][ARCH[method]],
+                *(["--dataset", "folder", "--data_path", str(folder)] if folder else drawn),
                 "--batch_size_per_gpu", str(batch), "--epochs", str(epochs),
                 "--max_steps_per_epoch", str(steps), "--warmup_epochs", "1",
                 "--precision", "auto", "--saveckp_freq", "0",
@@ -87,6 +99,12 @@ def plan(form, gpus, out):
                     str(f["linear_epochs"]), "--output_dir", str(out / "eval_linear")], ranks,
                    needs=("dino",)),
               train("glsd", "glsd_batched", epochs=1, extra=["--batched_crops", "true"])]
+    # DINO on files: decoded and cropped by --num_workers loader processes (a later flag wins)
+    workers = ["--num_workers", str(f["jpeg"]["workers"])]
+    on_files = dict(steps=f["jpeg"]["steps"], folder=jpeg_data(form, jpeg_cache))
+    parts += [train("dino", "dino_jpeg", extra=workers, **on_files),
+              train("dino", "dino_jpeg_batched", extra=[*workers, "--batched_crops", "true"],
+                    **on_files)]
     # fp32 without TF32: rounding apart only
     for method in f["pairs"] if form == "cpu" or gpus >= 2 else []:
         batch = f.get("pair_batch") or f["batch"][method]
