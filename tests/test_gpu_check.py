@@ -147,14 +147,16 @@ def test_jpeg_folder_is_made_once_reused_and_read_by_the_scripts_loader(tmp_path
 
 def test_jpeg_folders_cost_is_logged_with_its_provenance(tmp_path, capsys):
     """`jpeg_folder.py --cost N --log FILE`: a loader worker's CPU milliseconds per image (decode,
-    and decode + each crop path, the default 2 x 224 + 8 x 96 crops) as a stamped JSON line."""
+    and each crop path's worker, the default 2 x 224 + 8 x 96 crops) as a stamped JSON line."""
     log = tmp_path / "cost.jsonl"
     flags = ["--cache", str(tmp_path), "--images", "6", "--classes", "2", "--size", "64"]
     gpu_check.jpeg_folder.main([*flags, "--cost", "3", "--log", str(log)])
     line = json.loads(log.read_text())
     cost = line["one_thread_cost"]
     assert cost["images"] == 3 and 0 < cost["decode_ms"] < cost["pil_multicrop_ms"]
-    assert cost["batched_crops_ms"] > cost["decode_ms"] and line["images"] == 6
+    # --batched_crops' worker decodes too, then draws; its crops are cut on the device
+    assert cost["batched_crops_worker_ms"] > cost["decode_ms"] and line["images"] == 6
+    assert cost["batched_crops_device_half_on_this_cpu_ms"] > 0
     assert line["command"].endswith("--cost 3 --log " + str(log)) and line["utc"] and line["commit"]
     with pytest.raises(SystemExit, match="^error: --log records the cost: give --cost N too$"):
         gpu_check.jpeg_folder.main([*flags, "--log", str(log)])

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
-from torchvision.transforms.functional import pil_to_tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -118,32 +117,37 @@ def describe(folder):
 
 def cost_per_image(folder, count=48, seed=0):
     """CPU milliseconds per image at one thread (process time: other jobs on the machine do not
-    inflate it), over `count` images of `folder`, for what a loader worker does with DINO's
-    default crops (2 x 224 + 8 x 96): decode alone, decode + the PIL multi-crop (the default
-    path), decode + `--batched_crops` (in one batch)."""
-    paths = sorted(Path(folder).glob("class*/*.jpg"))[:count]
+    inflate it), over `count` images of `folder`, with DINO's default crops (2 x 224 + 8 x 96):
+    what a loader worker does on each path (decode alone; decode + the PIL multi-crop, the
+    default; decode + `--batched_crops`' draws) and, for information, the crops that
+    `--batched_crops` then cuts on the training device, here this CPU."""
+    base = common.ImageFolderSafe(str(folder))
+    base.samples = sorted(base.samples)[:count]
+    indices = [(i, 0) for i in range(len(base.samples))]
     augment = common.MultiCropAugmentation()
+    pil = common.SeededDataset(base, augment, seed=seed)
+    batched = common.SeededDataset(base, augment, seed=seed, batched=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        start = time.process_time()
-        decoded = [common.load_image(p) for p in paths]
-        decode = time.process_time() - start
-        start = time.process_time()
-        for i, path in enumerate(paths):
-            torch.manual_seed(seed + i)
-            augment(common.load_image(path))
-        pil = time.process_time() - start
-        start = time.process_time()
-        pixels = [pil_to_tensor(common.load_image(p)) for p in paths]
-        common.batched_multicrop(augment, pixels, [seed + i for i in range(len(paths))])
-        batched = time.process_time() - start
+        seconds = {"decode_ms": process_time(lambda: [base[i] for i, _ in indices]),
+                   "pil_multicrop_ms": process_time(lambda: pil.__getitems__(indices))}
+        views = []
+        seconds["batched_crops_worker_ms"] = process_time(
+            lambda: views.append(batched.__getitems__(indices)[0]))
+        seconds["batched_crops_device_half_on_this_cpu_ms"] = process_time(
+            lambda: common.crops_on_device(views[0], torch.device("cpu")))
     finally:
         torch.set_num_threads(threads)
-    per_image = 1e3 / len(decoded)
-    return {"images": len(decoded), "decode_ms": round(decode * per_image, 2),
-            "pil_multicrop_ms": round(pil * per_image, 2),
-            "batched_crops_ms": round(batched * per_image, 2)}
+    return {"images": len(indices),
+            **{name: round(value * 1e3 / len(indices), 2) for name, value in seconds.items()}}
+
+
+def process_time(work):
+    """CPU seconds that `work()` takes in this process."""
+    start = time.process_time()
+    work()
+    return time.process_time() - start
 
 
 def get_args_parser():
