@@ -60,7 +60,7 @@ def test_our_step_alone_and_the_levers_build_and_take_steps(group_of_one, tmp_pa
     for lever in (None, "fused_adamw"):
         args = side_by_side.our_args(SPEC, 2, "fp32", CPU, str(tmp_path))
         train, _ = side_by_side.build_ours(args, CPU, 3, lever)
-        clock = side_by_side.Clock([((crops, None), None)], 3, CPU, every_step=True)
+        clock = side_by_side.Clock([((crops, []), None)], 3, CPU, every_step=True)
         check_figures(side_by_side.measure(train, clock, CPU, 1, 2), steps=2, batch=2)
     assert fused == [None, True]
     args = side_by_side.our_args(SPEC, 2, "bf16", CPU, str(tmp_path))

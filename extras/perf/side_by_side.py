@@ -254,7 +254,7 @@ def step_alone(authors, spec, args, device, plan, tmp):
             if code not in flops:  # once per model
                 flops[code] = flops_per_image(*models, crops)
             # each side's batch form: ours ((crops, geometry), labels), theirs (crops, labels)
-            one = ((crops, None), None) if code == "ours" else (crops, None)
+            one = ((crops, []), None) if code == "ours" else (crops, None)  # no geometry
             figures = measure(train, Clock([one], steps, device, every_step=True), device,
                               args.warmup, batch)
             peak = peak_flops(device, precision)
