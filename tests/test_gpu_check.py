@@ -6,6 +6,7 @@ part's figures (mean data wait, epoch images/s) are recorded and agree with its 
 import importlib
 import json
 import math
+import multiprocessing.pool
 import os
 import re
 import signal
@@ -143,6 +144,23 @@ def test_jpeg_folder_is_made_once_reused_and_read_by_the_scripts_loader(tmp_path
     assert (folder / "class00" / "000000.jpg").read_bytes() == first   # the same images
     assert jpeg_folder.describe(folder)["images"] == 24
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+def test_jpeg_folder_is_made_in_a_process_whose_sigterm_means_checkpoint(tmp_path, monkeypatch):
+    """Its forked image makers end by their queue, never by `Pool.terminate`'s SIGTERM: in a
+    process that installed common's preemption handler (a test run's) they take it as "write a
+    checkpoint" and stay, and the pool waited for them for ever (the CI run hung there)."""
+    def terminate(pool):
+        raise AssertionError("the image makers were sent SIGTERM (Pool.terminate)")
+    monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", terminate)
+    previous = {sig: signal.getsignal(sig) for sig in common.PREEMPTION_SIGNALS}
+    common.install_preemption_handler()
+    try:
+        folder = gpu_check.jpeg_folder.make(tmp_path, 4, classes=2, size=64, processes=2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert len(list(folder.glob("class*/*.jpg"))) == 4
 
 
 def test_jpeg_folders_cost_is_logged_with_its_provenance(tmp_path, capsys):

@@ -92,8 +92,14 @@ def make(cache, images, classes=10, size=500, quality=90, seed=0, processes=None
             for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     start = time.time()
     # forked workers: no re-import of torch; threads of this process are not needed there
-    with multiprocessing.get_context("fork").Pool(processes) as pool:
+    pool = multiprocessing.get_context("fork").Pool(processes)
+    try:
         pool.map(write_images, jobs, chunksize=1)
+    finally:
+        # ended by their queue, not by SIGTERM (`with` terminates): a worker forked from a
+        # process with common's preemption handler would take SIGTERM as "checkpoint" and stay
+        pool.close()
+        pool.join()
     (partial / MARKER).write_text(json.dumps({**params, "seconds": round(time.time() - start, 1),
                                               "processes": processes}) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
