@@ -33,12 +33,27 @@ def test_the_ledger_is_only_appended_to():
     prefix = (ROOT / "tests" / "data" / "test_ledger_prefix.jsonl").read_text()
     assert prefix and LEDGER.read_text().startswith(prefix)
     entries = provenance.read_ledger(LEDGER)
-    assert {e["kind"] for e in entries} <= {"use", "result"}
+    assert {e["kind"] for e in entries} <= {"use", "result", "reason"}
     ids = [e["id"] for e in entries if e["kind"] == "use"]
     assert len(ids) == len(set(ids))
+    assert {e["id"] for e in entries if e["kind"] != "use"} <= set(ids)
     for e in entries:
         if e["kind"] == "use":
             assert set(provenance.LEDGER_KEY) <= set(e) and e["command"] and e["reason"]
+
+
+def test_a_reason_is_reworded_by_appending_and_the_tables_show_the_last_wording(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    use = {"driver": "compare.py", "data": "d", "row": "vit_dino", "seed": 0, "budget": 400,
+           "evaluation": "row", "command": "python dino.py"}
+    use_id = provenance.record_test_use(ledger, use, reason="first wording")
+    before = ledger.read_text()
+    provenance.reword_reason(ledger, use_id, "second wording", "the first named a ticket")
+    assert ledger.read_text().startswith(before)
+    [shown] = provenance.uses_with_results(provenance.read_ledger(ledger))
+    assert shown["reason"] == "second wording"
+    with pytest.raises(SystemExit, match="holds no test use nope"):
+        provenance.reword_reason(ledger, "nope", "x", "y")
 
 
 def test_the_ledger_holds_the_past_reconstructed_and_the_withdrawn_lines():

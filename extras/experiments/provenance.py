@@ -401,10 +401,22 @@ def record_test_result(path, use_id, result):
 
 def uses_with_results(entries):
     """Each `use` line of the ledger with its result (from its `result` line, if one was
-    written)."""
+    written) and its reason as last worded (a `reason` line; the use's own line keeps the first)."""
     found = {e["id"]: e["result"] for e in entries if e["kind"] == "result"}
-    return [{**e, "result": e.get("result", found.get(e.get("id")))}
+    reworded = {e["id"]: e["reason"] for e in entries if e["kind"] == "reason"}
+    return [{**e, "result": e.get("result", found.get(e.get("id"))),
+             "reason": reworded.get(e.get("id"), e.get("reason"))}
             for e in entries if e["kind"] == "use"]
+
+
+def reword_reason(path, use_id, reason, why):
+    """Append a new wording of a use's reason (the ledger is never rewritten): the documents
+    show it; `why` says what was wrong with the first."""
+    if use_id not in {e.get("id") for e in read_ledger(path) if e["kind"] == "use"}:
+        sys.exit(f"error: {path} holds no test use {use_id}")
+    with locked(path), open(path, "a") as f:
+        f.write(json.dumps({"kind": "reason", "id": use_id, "reason": reason, "why": why,
+                            "utc": utc_now()}) + "\n")
 
 
 def uncommitted_code(entry, top_level=False):
