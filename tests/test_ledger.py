@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "extras" / "experiments"))
 import compare  # noqa: E402
 import compare_tables  # noqa: E402
 import provenance  # noqa: E402
+import split_ledger  # noqa: E402
 import quickstart  # noqa: E402
 import results  # noqa: E402
 
@@ -23,7 +24,7 @@ LEDGER = ROOT / "docs" / "data" / "test_ledger.jsonl"
 @pytest.fixture(autouse=True)
 def ledger_elsewhere(tmp_path, monkeypatch):
     """The drivers run here append to a ledger of their own, never to the committed one."""
-    monkeypatch.setattr(provenance, "LEDGER", tmp_path / "test_ledger.jsonl")
+    monkeypatch.setattr(split_ledger, "LEDGER", tmp_path / "test_ledger.jsonl")
     monkeypatch.setattr(provenance.os, "chdir", lambda path: None)
 
 
@@ -32,41 +33,41 @@ def test_the_ledger_is_only_appended_to():
     never changed or removed (a new copy of the prefix is committed only by appending)."""
     prefix = (ROOT / "tests" / "data" / "test_ledger_prefix.jsonl").read_text()
     assert prefix and LEDGER.read_text().startswith(prefix)
-    entries = provenance.read_ledger(LEDGER)
+    entries = split_ledger.read_ledger(LEDGER)
     assert {e["kind"] for e in entries} <= {"use", "result", "reason"}
     ids = [e["id"] for e in entries if e["kind"] == "use"]
     assert len(ids) == len(set(ids))
     assert {e["id"] for e in entries if e["kind"] != "use"} <= set(ids)
     for e in entries:
         if e["kind"] == "use":
-            assert set(provenance.LEDGER_KEY) <= set(e) and e["command"] and e["reason"]
+            assert set(split_ledger.LEDGER_KEY) <= set(e) and e["command"] and e["reason"]
 
 
 def test_a_reason_is_reworded_by_appending_and_the_tables_show_the_last_wording(tmp_path):
     ledger = tmp_path / "ledger.jsonl"
     use = {"driver": "compare.py", "data": "d", "row": "vit_dino", "seed": 0, "budget": 400,
            "evaluation": "row", "command": "python dino.py"}
-    use_id = provenance.record_test_use(ledger, use, reason="first wording")
+    use_id = split_ledger.record_test_use(ledger, use, reason="first wording")
     before = ledger.read_text()
-    provenance.reword_reason(ledger, use_id, "second wording", "the first named a ticket")
+    split_ledger.reword_reason(ledger, use_id, "second wording", "the first named a ticket")
     assert ledger.read_text().startswith(before)
-    [shown] = provenance.uses_with_results(provenance.read_ledger(ledger))
+    [shown] = split_ledger.uses_with_results(split_ledger.read_ledger(ledger))
     assert shown["reason"] == "second wording"
     with pytest.raises(SystemExit, match="holds no test use nope"):
-        provenance.reword_reason(ledger, "nope", "x", "y")
+        split_ledger.reword_reason(ledger, "nope", "x", "y")
 
 
 def test_the_ledger_holds_the_past_reconstructed_and_the_withdrawn_lines():
     """The history told: the three 1,600-step test lines that were deleted are in the ledger,
     marked withdrawn, and back in the log; vit_dino and vit_esvit went to test twice at seed 0."""
-    uses = [e for e in provenance.read_ledger(LEDGER) if e["kind"] == "use"]
+    uses = [e for e in split_ledger.read_ledger(LEDGER) if e["kind"] == "use"]
     withdrawn = {
         (e["row"], e["result"]) for e in uses if e.get("withdrawn") and e["budget"] == 1600
     }
     assert withdrawn == {("swin_glsd_geometric", 80.67), ("vit_dino", 66.47), ("vit_esvit", 68.16)}
     for row in ("vit_dino", "vit_esvit"):
         key = ("compare.py", "fashion_mnist", row, 0, 1600, "row")
-        assert len(provenance.test_uses(uses, key)) == 2
+        assert len(split_ledger.test_uses(uses, key)) == 2
     log = provenance.read_log(ROOT / "docs" / "data" / "compare_32px.jsonl")
     assert {(r["row"], r["knn_top1"]) for r in log if r.get("withdrawn")} == withdrawn
     shown = compare_tables.current(log)[0]
@@ -88,7 +89,7 @@ def fake_compare(monkeypatch, ledger, seen):
         (self.out / "log.txt").write_text(json.dumps({"epoch": 0, "peak_memory_mb": 10}) + "\n")
 
     def fake_knn(self, *args, **kwargs):
-        seen.append([e for e in provenance.read_ledger(ledger) if e["kind"] == "use"])
+        seen.append([e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"])
         return {"10": 61.0, "20": 60.0, "100": 58.0, "200": 57.0}
 
     monkeypatch.setattr(compare.Evaluator, "call", fake_call)
@@ -135,18 +136,18 @@ def test_compare_appends_before_evaluating_and_refuses_an_unexplained_second_use
     assert use["command"].startswith("python dino.py") and use["commit"] is not None
     logged = provenance.read_log(tmp_path / "a.jsonl")[0]
     assert logged["test_use"] == use["id"]
-    assert provenance.uses_with_results(provenance.read_ledger(ledger))[0]["result"] == 60.0
+    assert split_ledger.uses_with_results(split_ledger.read_ledger(ledger))[0]["result"] == 60.0
     before = ledger.read_text()
     with pytest.raises(SystemExit) as stop:  # another log, the same row and budget
         main("b.jsonl")
     assert str(stop.value).startswith("error: the test split was evaluated for vit_dino seed 0")
     assert len(seen) == 1 and ledger.read_text() == before and not (tmp_path / "b.jsonl").exists()
     main("b.jsonl", "--reason", "the checkpoint was lost")
-    uses = [e for e in provenance.read_ledger(ledger) if e["kind"] == "use"]
+    uses = [e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"]
     assert len(seen) == 2 and [e["use_number"] for e in uses] == [1, 2]
     assert uses[1]["reason"] == "the checkpoint was lost"
     assert ledger.read_text().startswith(before)  # appended, not rewritten
-    table = provenance.ledger_table(provenance.read_ledger(ledger), {"compare.py"}, "steps")
+    table = split_ledger.ledger_table(split_ledger.read_ledger(ledger), {"compare.py"}, "steps")
     assert "| compare.py | fashion_mnist | vit_dino | 400 | row: 0 × 2 |" in table
     assert table.endswith("| the checkpoint was lost |")  # the documents show the reason
 
@@ -185,7 +186,7 @@ def test_results_appends_before_training_and_refuses_an_unexplained_second_use(
     ledger, seen = tmp_path / "ledger.jsonl", []
 
     def fake_run(name, variant, extra, phase, seed, work_dir):
-        seen.append([e for e in provenance.read_ledger(ledger) if e["kind"] == "use"])
+        seen.append([e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"])
         return {"run": name, "variant": variant, "phase": phase, "seed": seed, "top1": 61.0}
 
     monkeypatch.setattr(results, "train_and_evaluate_unstamped", fake_run)
@@ -232,7 +233,7 @@ def test_quickstart_appends_before_training_and_refuses_an_unexplained_second_us
         pass
 
     def fake_run(cmd, log_path):
-        seen.append([e for e in provenance.read_ledger(ledger) if e["kind"] == "use"])
+        seen.append([e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"])
         raise Stop
 
     monkeypatch.setattr(provenance, "run", fake_run)
@@ -284,7 +285,7 @@ def test_an_unreadable_ledger_stops_the_driver_before_any_evaluation(tmp_path, m
 def test_the_documents_count_of_test_uses_is_the_ledgers():
     """Each line of the generated "Test uses" blocks is a (driver, data, row, budget) of the ledger,
     and its uses per seed add up to the ledger's uses of that group: a reader counts them there."""
-    entries = provenance.read_ledger(LEDGER)
+    entries = split_ledger.read_ledger(LEDGER)
     uses = [e for e in entries if e["kind"] == "use"]
     blocks = [
         compare.generated_blocks(

@@ -96,6 +96,7 @@ sys.path.insert(0, str(ROOT / "extras" / "experiments"))
 import compare  # noqa: E402
 import compare_tables  # noqa: E402
 import provenance  # noqa: E402
+import split_ledger  # noqa: E402
 import quickstart  # noqa: E402
 import results  # noqa: E402
 
@@ -104,7 +105,7 @@ import results  # noqa: E402
 def ledger_elsewhere(tmp_path, monkeypatch):
     """A driver run by a test appends its test uses to a ledger of its own, never to the committed
     one."""
-    monkeypatch.setattr(provenance, "LEDGER", tmp_path / "test_ledger.jsonl")
+    monkeypatch.setattr(split_ledger, "LEDGER", tmp_path / "test_ledger.jsonl")
 
 
 LOGS = {"compare": ROOT / "docs" / "data" / "compare_32px.jsonl", "results": ROOT / "docs" / "data" / "results_32px.jsonl",

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras" / "experim
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "extras" / "tools"))
 import compare  # noqa: E402
 import provenance  # noqa: E402
+import split_ledger  # noqa: E402
 import quickstart  # noqa: E402
 import results  # noqa: E402
 import curves  # noqa: E402
@@ -25,7 +26,7 @@ import curves  # noqa: E402
 def ledger_elsewhere(tmp_path, monkeypatch):
     """A driver run by a test appends its test uses to a ledger of its own, never to the committed
     one."""
-    monkeypatch.setattr(provenance, "LEDGER", tmp_path / "test_ledger.jsonl")
+    monkeypatch.setattr(split_ledger, "LEDGER", tmp_path / "test_ledger.jsonl")
 
 
 @pytest.mark.parametrize("name", [n for n, (script, _) in results.RUNS.items() if script])

@@ -65,6 +65,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import provenance  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
+import split_ledger  # noqa: E402
 import results  # noqa: E402
 import compare_tables  # noqa: E402
 from evaluator import (CORRESPONDENCE_IMAGES, EVAL, LINEAR, RAW_FIGURES,  # noqa: E402,F401
@@ -80,7 +81,7 @@ SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"),
                  ROOT / "docs" / "RESULTS.md": ("summary",)}
 LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
-COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
+COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
 STEPS_PER_EPOCH = 50      # at most the 62 steps of an 8000-image epoch at batch 128
 # Shared by every row: crops, heads (K = 1024: the region heads of EsViT and GLSD see every token),
@@ -172,7 +173,7 @@ def ledger_use(row, args, seed, evaluation="row"):
         f"python extras/experiments/compare.py --data {args.data} --phase test --rows pixels"
     use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
            "evaluation": evaluation, "command": command}
-    return provenance.record_test_use(args.ledger, use, args.reason)
+    return split_ledger.record_test_use(args.ledger, use, args.reason)
 
 
 def run_row(row, args, seed):
@@ -315,7 +316,7 @@ def add_evaluation(row, args, seed, kind):
                 lines[i] = json.dumps(r)
         provenance.rewrite_log(args.log, lines)
     if use:
-        provenance.record_test_result(args.ledger, use, value if kind == "linear_top1" else
+        split_ledger.record_test_result(args.ledger, use, value if kind == "linear_top1" else
                                       [point["knn_top1"] for point in value])
     return value
 
@@ -341,7 +342,7 @@ def reproducing_commands(records):
 def generated_blocks(records, ledger=None):
     """{block: markdown} of the documents, from the log's records and the test ledger (its path;
     default: the committed one)."""
-    entries = provenance.read_ledger(ledger or COMMITTED_LEDGER)
+    entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
     withdrawn = compare_tables.withdrawn_table(records)
     records, relogged = compare_tables.current(records)
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data,
@@ -358,7 +359,7 @@ def generated_blocks(records, ledger=None):
                       records, runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
                   knn_k=compare_tables.knn_k_table(records),
-                  test_uses=provenance.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
+                  test_uses=split_ledger.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
     blocks["commands"] = (("```bash\n" + "\n".join(commands) + "\n```") if commands
                           else "No run is logged yet.")
@@ -410,7 +411,7 @@ def get_args_parser():
                    help="one JSON line per (data, row, variant, phase, seed) is appended here")
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/COMPARISON.md from --log")
-    provenance.add_ledger_args(p)
+    split_ledger.add_ledger_args(p)
     return p
 
 
@@ -465,7 +466,7 @@ def main():
             with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if record.get("test_use"):
-                provenance.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
+                split_ledger.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN "
                   f"{record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import compare  # noqa: E402
 import provenance  # noqa: E402
+import split_ledger  # noqa: E402
 import results  # noqa: E402
 
 TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_crop_size 16 "
@@ -90,7 +91,7 @@ def run(args):
     use = None
     if args.phase == "test":        # the ledger's line, before the split is read
         row = f"dino trained on {args.data}"
-        use = provenance.record_test_use(args.ledger, {
+        use = split_ledger.record_test_use(args.ledger, {
             "driver": "quickstart.py", "data": args.eval_data or args.data, "row": row, "seed": 0,
             "budget": args.steps, "evaluation": "row", "command": " ".join(["python", *train])},
             args.reason)
@@ -234,7 +235,7 @@ def get_args_parser():
                         "the stamped line then replaces them")
     p.add_argument("--table", action="store_true",
                    help="run nothing: rewrite the generated blocks from --log")
-    provenance.add_ledger_args(p)
+    split_ledger.add_ledger_args(p)
     return p
 
 
@@ -264,7 +265,7 @@ def main():
         with provenance.locked(job.log), open(job.log, "a") as f:
             f.write(json.dumps(record) + "\n")
         if record.get("test_use"):
-            provenance.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
+            split_ledger.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: "
               f"20-NN {record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
               flush=True)

@@ -34,13 +34,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import provenance  # noqa: E402
+import split_ledger  # noqa: E402
 from claims import DRLOC_ARCHS, DRLOC_EPOCHS, drloc_regime, paired_difference  # noqa: E402,F401
 from readouts import (KNN_KS, knn_top1, knn_top1_by_k, parse_collapse,  # noqa: E402,F401
                       parse_correspondence, pixels_knn_by_k, pixels_knn_top1,
                       write_fashion_mnist_8k)
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
-COMMITTED_LEDGER = provenance.LEDGER     # the documents' (a test may point the drivers elsewhere)
+COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head
 # sized for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
@@ -107,7 +108,7 @@ def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None,
     """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine). On the test
     phase its ledger line is appended first (`ledger`: the ledger's path)."""
     started = provenance.start()
-    use = ledger_use(name, extra, phase, seed, work_dir, ledger or provenance.LEDGER, reason)
+    use = ledger_use(name, extra, phase, seed, work_dir, ledger or split_ledger.LEDGER, reason)
     record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir)
     return {**record, **({"test_use": use} if use else {}), **provenance.stamp(started)}
 
@@ -126,7 +127,7 @@ def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
         budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
     use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
            "budget": budget, "evaluation": "row", "command": command}
-    return provenance.record_test_use(ledger, use, reason)
+    return split_ledger.record_test_use(ledger, use, reason)
 
 
 def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
@@ -346,7 +347,7 @@ def generated_blocks(records, ledger=None):
     """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes
     the unstamped ones of its run, and the others are only listed (unstamped_note); the test uses
     from the ledger (its path; default: the committed one)."""
-    uses = provenance.ledger_table(provenance.read_ledger(ledger or COMMITTED_LEDGER),
+    uses = split_ledger.ledger_table(split_ledger.read_ledger(ledger or COMMITTED_LEDGER),
                                    {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
     blocks = {"relogged": relogged_table(relogged),
@@ -398,7 +399,7 @@ def get_args_parser():
     p.add_argument("--table", action="store_true",
                    help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from "
                         "--log")
-    provenance.add_ledger_args(p)
+    split_ledger.add_ledger_args(p)
     return p
 
 
@@ -431,7 +432,7 @@ def main():
             with provenance.locked(args.log), open(args.log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if record.get("test_use"):
-                provenance.record_test_result(args.ledger, record["test_use"], record["top1"])
+                split_ledger.record_test_result(args.ledger, record["test_use"], record["top1"])
             baseline = (f" (random init {record['random_init_top1']:.2f}%)"
                         if "random_init_top1" in record else "")
             took = (f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record

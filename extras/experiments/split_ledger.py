@@ -1,0 +1,133 @@
+"""The test split's ledger (docs/data/test_ledger.jsonl): every evaluation on a test split, one
+line written before it starts and never rewritten; its result, and any later wording of its
+reason, appended as lines of their own. Used by extras/experiments/compare.py, results.py and
+quickstart.py (which refuse a second test use without a reason) and by their table generators."""
+import json
+import os
+import sys
+from pathlib import Path
+
+from provenance import ROOT, check_log_writable, cpu_model, locked, read_log, start, utc_now
+
+LEDGER = ROOT / "docs" / "data" / "test_ledger.jsonl"
+# what names one test use: the same key twice is a second look at the test split
+LEDGER_KEY = ("driver", "data", "row", "seed", "budget", "evaluation")
+
+
+def add_ledger_args(parser):
+    """--ledger and --reason, the same in every driver that may evaluate on the test split."""
+    parser.add_argument("--ledger", default=str(LEDGER),
+                        help="every test-phase run is appended here before it starts")
+    parser.add_argument("--reason", default="", help="why a test evaluation is repeated (refused "
+                        "without one); the ledger and the documents show it")
+
+
+def read_ledger(path):
+    """The ledger's lines ([] when it does not exist yet); one line and exit 1 if unreadable."""
+    if Path(path).is_file() and Path(path).stat().st_size == 0:    # made by `locked`: no use yet
+        return []
+    if not Path(path).exists():
+        return []
+    return read_log(path, required=("kind",), what="--ledger")
+
+
+def test_uses(entries, key):
+    """The ledger's uses of `key` (its `use` lines, reconstructed or not, withdrawn ones included:
+    a withdrawn result was still seen)."""
+    return [e for e in entries
+            if e["kind"] == "use" and tuple(e.get(k) for k in LEDGER_KEY) == key]
+
+
+def record_test_use(path, use, reason=""):
+    """Append `use` ({driver, data, row, seed, budget, evaluation, command}) to the ledger at `path`
+    before the evaluation starts, stamped with its time, commit and machine; its id. A key used
+    before is refused (one line, exit 1) unless `reason` says why the test split is read again."""
+    check_log_writable(path, what="--ledger")
+    key = tuple(use.get(k) for k in LEDGER_KEY)
+    started = start()
+    with locked(path):
+        earlier = test_uses(read_ledger(path), key)
+        if earlier and not reason.strip():
+            sys.exit(f"error: the test split was evaluated for {use['row']} seed {use['seed']} at "
+                     f"budget {use['budget']} ({use['evaluation']}) {len(earlier)} time(s) already "
+                     f"(last {earlier[-1].get('started_utc', 'no time')}); give --reason \"...\" "
+                     "to do it again")
+        entry = {"kind": "use", **{k: use.get(k) for k in LEDGER_KEY}, "command": use["command"],
+                 "reason": reason.strip() or "first use", "use_number": len(earlier) + 1,
+                 "id": f"{started['started_utc']}-{os.getpid()}-{len(earlier) + 1}",
+                 "started_utc": started["started_utc"], "commit": started["commit"],
+                 "uncommitted": started["uncommitted"],
+                 "machine": {"cpu": cpu_model(), "cores": os.cpu_count()}}
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    return entry["id"]
+
+
+def record_test_result(path, use_id, result):
+    """Append the result of the use `use_id` (its own line: the use's line is never rewritten)."""
+    with locked(path), open(path, "a") as f:
+        f.write(json.dumps({"kind": "result", "id": use_id, "result": result, "utc": utc_now()})
+                + "\n")
+
+
+def uses_with_results(entries):
+    """Each `use` line of the ledger with its result (from its `result` line, if one was
+    written) and its reason as last worded (a `reason` line; the use's own line keeps the first)."""
+    found = {e["id"]: e["result"] for e in entries if e["kind"] == "result"}
+    reworded = {e["id"]: e["reason"] for e in entries if e["kind"] == "reason"}
+    return [{**e, "result": e.get("result", found.get(e.get("id"))),
+             "reason": reworded.get(e.get("id"), e.get("reason"))}
+            for e in entries if e["kind"] == "use"]
+
+
+def reword_reason(path, use_id, reason, why):
+    """Append a new wording of a use's reason (the ledger is never rewritten): the documents
+    show it; `why` says what was wrong with the first."""
+    if use_id not in {e.get("id") for e in read_ledger(path) if e["kind"] == "use"}:
+        sys.exit(f"error: {path} holds no test use {use_id}")
+    with locked(path), open(path, "a") as f:
+        f.write(json.dumps({"kind": "reason", "id": use_id, "reason": reason, "why": why,
+                            "utc": utc_now()}) + "\n")
+
+
+def uncommitted_code(entry, top_level=False):
+    """Whether a use ran with a Python file that differed from its commit (top_level: a method file,
+    common.py or an evaluation script, the code that computes the figure)."""
+    return any(f.endswith(".py") and not (top_level and "/" in f)
+               for f in entry.get("uncommitted") or [])
+
+
+def ledger_table(entries, drivers, unit):
+    """The documents' count of test uses, from the ledger: per (driver, data, row, budget), each
+    seed's number of test evaluations, the withdrawn ones, how many lines were reconstructed from
+    the logs' history, which ran on uncommitted code or name a commit younger than their start, and
+    every reason given for a second use."""
+    groups = {}
+    for e in uses_with_results(entries):
+        if e["driver"] in drivers:
+            key = (e["driver"], e["data"], e["row"], e["budget"])
+            groups.setdefault(key, []).append(e)
+    lines = [f"| driver | data | row | budget ({unit}) | test uses per seed (evaluation: seed × "
+             "uses) | withdrawn | reconstructed | uncommitted code: top-level .py, any .py | "
+             "commit younger than start | reasons given |", "|---" * 10 + "|"]
+    for (driver, data, row, budget), es in groups.items():
+        per_seed = {}
+        for e in es:
+            counts = per_seed.setdefault(e["evaluation"], {})
+            counts[e["seed"]] = counts.get(e["seed"], 0) + 1
+        uses = "; ".join(f"{evaluation}: "
+                         + ", ".join(f"{seed} × {n}" for seed, n in counts.items())
+                         for evaluation, counts in per_seed.items())
+        reasons = sorted({e["reason"] for e in es if not e.get("reconstructed")
+                          and e["reason"] != "first use"})
+
+        def count(test):
+            return str(sum(1 for e in es if test(e)))
+        lines.append(f"| {driver} | {data} | {row} | {budget if budget is not None else '—'} | "
+                     f"{uses} | {count(lambda e: e.get('withdrawn'))} | "
+                     f"{count(lambda e: e.get('reconstructed'))} | "
+                     f"{count(lambda e: uncommitted_code(e, top_level=True))}, "
+                     f"{count(uncommitted_code)} | "
+                     f"{count(lambda e: e.get('commit_younger_than_start'))} | "
+                     f"{'; '.join(reasons) or '—'} |")
+    return "\n".join(lines) if len(lines) > 2 else "No test evaluation is in the ledger yet."
