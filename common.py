@@ -23,6 +23,7 @@ import fcntl
 import functools
 import gzip
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -56,6 +58,7 @@ from timm.models.cait import ClassAttn
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from torchvision import datasets as tv_datasets
+from torchvision import io as tv_io
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 from tqdm import tqdm
@@ -541,8 +544,10 @@ class UncroppedBatch:
     std: tuple
 
     def pin_memory(self):
-        """The DataLoader pins (on a GPU) the images only: the draws stay plain data."""
-        return dataclasses.replace(self, images=[image.pin_memory() for image in self.images])
+        """The DataLoader pins (on a GPU) the decoded images only: the draws stay plain data, the
+        JPEG files' bytes go to nvJPEG, which reads them from the host."""
+        images = [image.pin_memory() if torch.is_tensor(image) else image for image in self.images]
+        return dataclasses.replace(self, images=images)
 
 
 def crops_on_device(views, device):
@@ -566,11 +571,12 @@ def draw_multicrop(augment, images, seeds):
     """The loader worker's half: (`UncroppedBatch`, geometry) of images [3, H, W] (any sizes), with
     the PIL path's draws from each image's seed, as one dict of per-sample lists a view."""
     draws = []
-    for image, seed in zip(images, seeds):
+    heights_widths = [image_size(image) for image in images]
+    for (height, width), seed in zip(heights_widths, seeds):
         torch.default_generator.manual_seed(seed)
-        draws.append([draw_crop(*image.shape[1:], scale, photometric)
+        draws.append([draw_crop(height, width, scale, photometric)
                       for _, scale, photometric in augment.plan()])
-    sizes = torch.tensor([[i.shape[2], i.shape[1]] for i in images], dtype=torch.float64)  # W, H
+    sizes = torch.tensor([[w, h] for h, w in heights_widths], dtype=torch.float64)  # W, H
     width, height = sizes.unbind(1)
     views, geometry = [], []
     for k, (size, _, _) in enumerate(augment.plan()):
@@ -587,7 +593,7 @@ def multicrop_pixels(batch, device):
     """The training device's half: an `UncroppedBatch`'s crops, cut on `device` by torchvision's
     tensor operations (an exact Gaussian for PIL's box blur). Against the PIL path's pixels: a
     mean |difference| under 1 level of 255 (0.5 to 0.8 on 500 x 375 JPEGs), at most 32."""
-    images = [image.to(device, non_blocking=True) for image in batch.images]
+    images = images_on_device(batch.images, device)
     mean = on_device(batch.mean, device).view(1, 3, 1, 1)
     std = on_device(batch.std, device).view(1, 3, 1, 1)
     crops = []
@@ -613,6 +619,68 @@ def on_device(values, device):
     values = torch.as_tensor(values)
     pinned = values.pin_memory() if torch.device(device).type == "cuda" else values
     return pinned.to(device, non_blocking=True)
+
+
+@dataclasses.dataclass
+class EncodedJpeg:
+    """A JPEG file read but not decoded, for the training device's decoder (nvJPEG on a GPU)."""
+    data: torch.Tensor  # the file's bytes, uint8 [n]
+    height: int  # from its header
+    width: int
+    path: str
+
+
+def image_size(image):
+    """(height, width) of a uint8 [3, H, W] image or an `EncodedJpeg`."""
+    if isinstance(image, EncodedJpeg):
+        return image.height, image.width
+    return tuple(image.shape[1:])
+
+
+def read_jpeg_or_decode(path):
+    """An image folder's loader when the device decodes (`SeededDataset.decode_jpegs_on_device`):
+    a whole (ending in its EOI marker) baseline 8-bit RGB JPEG as `EncodedJpeg`, read in about
+    0.1 ms; any other file (PNG, CMYK, grayscale, progressive) as `load_image` decodes it."""
+    with contextlib.suppress(Exception):  # unreadable: `load_image` names the file
+        data = Path(path).read_bytes()
+        with Image.open(io.BytesIO(data)) as img:  # reads the header only
+            baseline = img.format == "JPEG" and not img.info.get("progressive")
+            if baseline and img.mode == "RGB" and data.endswith(b"\xff\xd9"):
+                pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                return EncodedJpeg(pixels, img.height, img.width, str(path))
+    return load_image(path)
+
+
+def images_on_device(images, device):
+    """uint8 [3, H, W] images on `device`: tensors copied, `EncodedJpeg`s decoded there in one
+    call (batched by nvJPEG on a GPU); a file that decoder refuses is decoded by PIL, with a
+    warning naming it."""
+    jpegs = [i for i, image in enumerate(images) if isinstance(image, EncodedJpeg)]
+    out = [image if i in jpegs else image.to(device, non_blocking=True)
+           for i, image in enumerate(images)]
+    if not jpegs:
+        return out
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (for TorchCodec)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            decoded = tv_io.decode_jpeg([images[i].data for i in jpegs], device=device,
+                                        mode=tv_io.ImageReadMode.RGB)
+        except RuntimeError:  # one file it cannot read stops the batched call: each alone
+            decoded = [decode_jpeg_or_warn(images[i], device) for i in jpegs]
+    for i, image in zip(jpegs, decoded):
+        out[i] = image
+    return out
+
+
+def decode_jpeg_or_warn(jpeg, device):
+    """One `EncodedJpeg` decoded on `device`, or by PIL when the device's decoder refuses it."""
+    try:
+        return tv_io.decode_jpeg(jpeg.data, device=device, mode=tv_io.ImageReadMode.RGB)
+    except RuntimeError as e:
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+        log(f"warning: {jpeg.path}: the {torch.device(device).type} JPEG decoder refused it "
+            f"({reason}); decoded on the CPU by PIL")
+        return TF.pil_to_tensor(load_image(jpeg.path)).to(device)
 
 
 def draw_crop(height, width, scale, photometric):
@@ -796,6 +864,15 @@ def skipped_images_all_ranks(dataset, device):
         dataset = getattr(dataset, "base", None) or dataset.dataset
     count = dataset.skipped.value if hasattr(dataset, "skipped") else 0
     return int(all_reduce_sum(torch.tensor([count], device=device)).item())
+
+
+def host_decoded_images(dataset, device):
+    """Collective: {"host_decoded_images": n}, the files of all ranks that the loader workers
+    decoded as the device's decoder cannot read them; {} where the device decodes no JPEGs."""
+    if getattr(dataset, "host_decoded", None) is None:
+        return {}
+    count = torch.tensor([dataset.host_decoded.value], device=device)
+    return {"host_decoded_images": int(all_reduce_sum(count).item())}
 
 
 def read_idx(path):
@@ -1009,6 +1086,7 @@ class SeededDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.epoch = 0
         self.batched = batched
+        self.host_decoded = None  # files decoded by the workers, when the device decodes JPEGs
 
     def __len__(self):
         return len(self.base)
@@ -1036,11 +1114,25 @@ class SeededDataset(torch.utils.data.Dataset):
             return [self[i] for i in indices]
         pairs = [i if isinstance(i, tuple) else (i, self.epoch) for i in indices]
         images, labels = zip(*(self.base[i] for i, _ in pairs))
-        pixels = [TF.pil_to_tensor(image.convert("RGB")) for image in images]
+        pixels = [TF.pil_to_tensor(image.convert("RGB")) if isinstance(image, Image.Image)
+                  else image for image in images]  # an `EncodedJpeg` is decoded on the device
+        if self.host_decoded is not None:
+            with self.host_decoded.get_lock():
+                self.host_decoded.value += sum(torch.is_tensor(image) for image in pixels)
         seeds = [sample_seed(self.seed, epoch, index) for index, epoch in pairs]
         in_main_process = torch.utils.data.get_worker_info() is None
         with torch.random.fork_rng(devices=[], enabled=in_main_process):
             return draw_multicrop(self.transform, pixels, seeds), torch.tensor(labels)
+
+    def decode_jpegs_on_device(self):
+        """`batched` on a GPU: an image folder's workers read its JPEGs, the device decodes them
+        (`images_on_device`); the files they decode themselves are counted (`host_decoded`)."""
+        folder = self.base
+        while isinstance(folder, torch.utils.data.Subset):  # --holdout
+            folder = folder.dataset
+        if self.batched and isinstance(folder, ImageFolderSafe):
+            folder.loader = read_jpeg_or_decode
+            self.host_decoded = multiprocessing.Value("l", 0)
 
     def seeded_transform(self, image, seed):
         """Seeds torch's CPU generator (not CUDA's), Python's and NumPy's."""
@@ -1075,7 +1167,7 @@ def init_distributed(device="auto"):
         gpus = torch.cuda.device_count()
         if chosen.index >= gpus:  # no GPU, a cuda:N past the last, or more processes than GPUs
             die(f"--device {device} needs GPU {chosen.index}, but this process sees {gpus} GPUs")
-        torch.cuda.set_device(chosen)
+        torch.cuda.set_device(chosen)  # initialises CUDA: `make_loader` knows a run on a GPU so
         # the authors' cuDNN autotuning, and TF32 float32 matmuls as in their torch (1.7-1.8)
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -1174,6 +1266,8 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
     sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train,
                                with_epoch=isinstance(dataset, SeededDataset))
     batched = getattr(dataset, "batched", False)
+    if batched and torch.cuda.is_initialized():  # a run on a GPU: nvJPEG decodes there
+        dataset.decode_jpegs_on_device()
     warn_if_shared_memory_is_short(dataset, batch_size, num_workers)
     loader = PreemptibleLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
@@ -1651,10 +1745,10 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
     g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
     g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
     g.add_argument("--batched_crops", default=False, type=bool_flag,
-                   help="loader workers only decode the images and make the PIL path's "
-                        "draws (~15x less CPU); the training device cuts the crops with tensor "
-                        "operations: pixels within 1 level of 255 of the PIL path's on average, "
-                        "at most 32")
+                   help="loader workers only decode the images (on a GPU: read baseline "
+                        "JPEGs, which nvJPEG decodes there) and make the PIL path's draws; the "
+                        "training device cuts the crops with tensor operations: pixels within 1 "
+                        "level of 255 of the PIL path's on average, at most 32")
     return g
 
 

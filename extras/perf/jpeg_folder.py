@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
+from torchvision.transforms import functional as TF
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -125,8 +126,9 @@ def cost_per_image(folder, count=48, seed=0):
     """CPU milliseconds per image at one thread (process time: other jobs on the machine do not
     inflate it), over `count` images of `folder`, with DINO's default crops (2 x 224 + 8 x 96):
     what a loader worker does on each path (decode alone; decode + the PIL multi-crop, the
-    default; decode + `--batched_crops`' draws) and, for information, the crops that
-    `--batched_crops` then cuts on the training device, here this CPU."""
+    default; decode + `--batched_crops`' draws; on a GPU, where nvJPEG decodes, read + draws) and,
+    for information, the crops that `--batched_crops` then cuts on the training device, here this
+    CPU."""
     base = common.ImageFolderSafe(str(folder))
     base.samples = sorted(base.samples)[:count]
     indices = [(i, 0) for i in range(len(base.samples))]
@@ -143,10 +145,40 @@ def cost_per_image(folder, count=48, seed=0):
             lambda: views.append(batched.__getitems__(indices)[0]))
         seconds["batched_crops_device_half_on_this_cpu_ms"] = process_time(
             lambda: common.crops_on_device(views[0], torch.device("cpu")))
+        gpu = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=seed,
+                                   batched=True)
+        gpu.base.samples = base.samples
+        gpu.decode_jpegs_on_device()  # as on a GPU: the worker reads the files, nvJPEG decodes
+        seconds["batched_crops_worker_gpu_decode_ms"] = process_time(
+            lambda: gpu.__getitems__(indices))
     finally:
         torch.set_num_threads(threads)
     return {"images": len(indices),
             **{name: round(value * 1e3 / len(indices), 2) for name, value in seconds.items()}}
+
+
+def device_decode(folder, count=96):
+    """The training device's JPEG decoder (nvJPEG on a GPU, else this CPU) against PIL, the PIL
+    path's decoder, on `count` files: milliseconds per image of one batched call (after a warm-up),
+    and the pixels' mean and largest |difference| in levels of 255."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    paths = sorted(path for path, _ in common.ImageFolderSafe(str(folder)).samples)[:count]
+    jpegs = [common.read_jpeg_or_decode(path) for path in paths]
+    if not all(isinstance(jpeg, common.EncodedJpeg) for jpeg in jpegs):
+        common.die(f"{folder} holds files that are not baseline RGB JPEGs: make it again")
+    common.images_on_device(jpegs[:8], device)  # the decoder's first call sets it up
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    decoded = common.images_on_device(jpegs, device)
+    synchronize()
+    seconds = time.perf_counter() - start
+    diffs = torch.cat([(image.cpu().int() - TF.pil_to_tensor(common.load_image(path)).int())
+                       .abs().flatten() for image, path in zip(decoded, paths)])
+    return {"device": device.type, "images": len(paths),
+            "batched_decode_ms": round(seconds * 1e3 / len(paths), 3),
+            "mean_abs_diff_from_pil": round(diffs.float().mean().item(), 4),
+            "max_abs_diff_from_pil": diffs.max().item()}
 
 
 def process_time(work):
@@ -195,7 +227,8 @@ def main(argv=None):
     made = {"folder": str(folder), "seconds": round(time.time() - start, 1), **describe(folder)}
     print(json.dumps(made))
     if args.cost:
-        cost = {"one_thread_cost": cost_per_image(folder, args.cost)}
+        cost = {"one_thread_cost": cost_per_image(folder, args.cost),
+                "device_decode": device_decode(folder, args.cost)}
         print(json.dumps(cost))
     if args.log:
         words = sys.argv[1:] if argv is None else argv

@@ -1,0 +1,146 @@
+"""`--batched_crops` on a GPU: loader workers read an image folder's baseline JPEGs without
+decoding them (`read_jpeg_or_decode`), the training device decodes them in one call
+(`images_on_device`: nvJPEG there, libjpeg here on the CPU), and every other file (PNG, CMYK,
+grayscale, progressive, 16-bit) is decoded by the workers as before and counted in the log. On a
+CPU both decoders give the PIL path's pixels, so the crops and their geometry are the PIL-decoded
+batch's."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import functional as TF
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+DEVICE_DECODED = ["a/baseline.jpg", "a/no_subsampling.jpg", "b/square.jpg"]
+WORKER_DECODED = ["b/cmyk.jpg", "b/gray.jpg", "b/picture.png", "b/progressive.jpg",
+                  "b/sixteen_bit.png"]
+
+
+def colour_image(width, height, seed):
+    """A smooth colour field with a sharp square: every decoder and resampler changes it."""
+    rng = np.random.default_rng(seed)
+    field = Image.fromarray(rng.integers(0, 256, (5, 5, 3), dtype=np.uint8))
+    pixels = np.asarray(field.resize((width, height), Image.BICUBIC)).copy()
+    pixels[height // 4: height // 2, width // 4: width // 2] = rng.integers(0, 256, 3)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Two classes of files: three the device decodes, five the workers decode."""
+    root = tmp_path_factory.mktemp("mixed_files")
+    (root / "a").mkdir()
+    (root / "b").mkdir()
+    colour_image(50, 37, 0).save(root / "a/baseline.jpg", quality=90)
+    colour_image(33, 61, 1).save(root / "a/no_subsampling.jpg", quality=75, subsampling=0)
+    colour_image(40, 40, 2).save(root / "b/square.jpg", quality=95)
+    colour_image(40, 30, 3).convert("CMYK").save(root / "b/cmyk.jpg")
+    colour_image(40, 30, 4).convert("L").save(root / "b/gray.jpg")
+    colour_image(40, 30, 5).save(root / "b/picture.png")
+    colour_image(40, 30, 6).save(root / "b/progressive.jpg", quality=90, progressive=True)
+    deep = (np.asarray(colour_image(40, 30, 7).convert("L")).astype(np.uint16) * 257)
+    Image.fromarray(deep).save(root / "b/sixteen_bit.png")
+    return root
+
+
+def batch(folder, on_device):
+    """(`UncroppedBatch`, geometry) of the whole folder, epoch 0, and the dataset."""
+    augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=16,
+                                           local_crop_size=8)
+    dataset = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3,
+                                   batched=True)
+    if on_device:
+        dataset.decode_jpegs_on_device()
+    views, _labels = dataset.__getitems__([(i, 0) for i in range(len(dataset))])
+    return views, dataset
+
+
+def names(dataset):
+    return [Path(path).relative_to(dataset.base.root).as_posix() for path, _ in dataset.base.samples]
+
+
+def test_workers_hand_baseline_jpegs_over_and_decode_the_rest(folder):
+    (uncropped, _geometry), dataset = batch(folder, on_device=True)
+    kinds = dict(zip(names(dataset), (type(image).__name__ for image in uncropped.images)))
+    assert kinds == {**{n: "EncodedJpeg" for n in DEVICE_DECODED},
+                     **{n: "Tensor" for n in WORKER_DECODED}}
+    assert dataset.host_decoded.value == len(WORKER_DECODED)
+    assert common.host_decoded_images(dataset, torch.device("cpu")) == {
+        "host_decoded_images": len(WORKER_DECODED)}
+    jpeg = uncropped.images[0]
+    with Image.open(jpeg.path) as image:
+        assert (jpeg.width, jpeg.height) == image.size
+    assert jpeg.data.dtype == torch.uint8 and jpeg.data.dim() == 1
+
+
+def test_without_device_decoding_nothing_is_counted(folder):
+    _views, dataset = batch(folder, on_device=False)
+    assert dataset.host_decoded is None
+    assert common.host_decoded_images(dataset, torch.device("cpu")) == {}
+
+
+def test_the_device_decoded_batch_is_the_pil_decoded_one(folder):
+    (pil, pil_geometry), _ = batch(folder, on_device=False)
+    (device, device_geometry), _ = batch(folder, on_device=True)
+    decoded = common.images_on_device(device.images, torch.device("cpu"))
+    for a, b in zip(pil.images, decoded):
+        assert a.shape == b.shape and (a.int() - b.int()).abs().max() <= 1  # libjpeg builds
+    assert device.views == pil.views
+    for a, b in zip(pil_geometry, device_geometry):
+        assert all(torch.equal(a[key], b[key]) for key in a)
+    crops_pil, _ = common.crops_on_device((pil, pil_geometry), torch.device("cpu"))
+    crops_device, _ = common.crops_on_device((device, device_geometry), torch.device("cpu"))
+    for a, b in zip(crops_pil, crops_device):
+        assert (a - b).abs().mean() * 255 < 0.1  # 1 level of 255 at most where libjpegs differ
+
+
+def test_a_file_the_device_decoder_refuses_is_decoded_by_pil_with_a_warning(
+        folder, monkeypatch, capsys):
+    (uncropped, _), _dataset = batch(folder, on_device=True)
+    refused = uncropped.images[1]
+    decode = common.tv_io.decode_jpeg
+
+    def decode_jpeg(data, **kwargs):
+        if isinstance(data, list) or data is refused.data:
+            raise RuntimeError("nvjpegDecodeBatched failed: 3\nmore lines")
+        return decode(data, **kwargs)
+    monkeypatch.setattr(common.tv_io, "decode_jpeg", decode_jpeg)
+    images = common.images_on_device(uncropped.images, torch.device("cpu"))
+    assert torch.equal(images[1], TF.pil_to_tensor(common.load_image(refused.path)))
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 1
+    assert (f"warning: {refused.path}: the cpu JPEG decoder refused it (nvjpegDecodeBatched "
+            f"failed: 3); decoded on the CPU by PIL") in out
+
+
+def test_a_cut_jpeg_is_the_workers_to_decode_and_to_refuse(folder, tmp_path):
+    whole = (folder / "a/baseline.jpg").read_bytes()
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(whole[: len(whole) // 2])  # no end marker: never handed over
+    with pytest.raises(common.BadImageError, match=f"cannot read image {cut}"):
+        common.read_jpeg_or_decode(cut)
+    missing = tmp_path / "missing.jpg"
+    with pytest.raises(common.BadImageError, match=f"cannot read image {missing}"):
+        common.read_jpeg_or_decode(missing)
+
+
+def test_a_loader_on_a_gpu_decodes_there_and_its_workers_count(folder, monkeypatch):
+    augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=16,
+                                           local_crop_size=8)
+    dataset = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3,
+                                   batched=True)
+    monkeypatch.setattr(common.torch.cuda, "is_initialized", lambda: True)
+    common.make_loader(dataset, 4, num_workers=0, seed=3)  # as built on a GPU: not iterated
+    assert dataset.base.loader is common.read_jpeg_or_decode
+    monkeypatch.undo()
+    loader, sampler = common.make_loader(dataset, 4, num_workers=1, seed=3)  # pin_memory off
+    sampler.set_epoch(0)
+    for views, _labels in loader:
+        common.crops_on_device(views, torch.device("cpu"))
+    assert dataset.host_decoded.value == len(WORKER_DECODED)  # 2 batches: all 8 files
