@@ -137,7 +137,8 @@ class DINOLoss(nn.Module):
 
     @torch.no_grad()
     def update_center(self, teacher_output):
-        """EMA of the mean raw teacher output over both global crops of every process."""
+        """Collective: EMA of the mean raw teacher output over both global crops of every
+        process."""
         batch_center = common.all_reduce_sum(teacher_output.sum(dim=0, keepdim=True))
         batch_center = batch_center / (len(teacher_output) * common.get_world_size())
         self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)

@@ -510,9 +510,9 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
 
 @torch.no_grad()
 def validate(model, loader, device, args):
-    """Top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how many images
-    they count: each once (the padding with which the sampler evens out the processes is left out),
-    the unreadable ones (--skip_bad_images: labelled SKIPPED) left out and counted."""
+    """Collective: top-1 / top-5 accuracy (%) with hard labels, summed over all processes, and how
+    many images they count: each once (the padding with which the sampler evens out the processes is
+    left out), the unreadable ones (--skip_bad_images: labelled SKIPPED) left out and counted."""
     model.eval()
     counts = torch.zeros(4, device=device)  # correct@1, correct@5, images, unreadable images
     distinct = loader.sampler.distinct_samples()        # this process's rows that are not padding

@@ -224,8 +224,8 @@ class EsViTLoss(nn.Module):
 
     @torch.no_grad()
     def update_centers(self, teacher):
-        """EMA of the mean raw teacher outputs over both global crops of every process: `center`
-        from the view logits, `center_grid` from the region logits of every token."""
+        """Collective: EMA of the mean raw teacher outputs over both global crops of every process:
+        `center` from the view logits, `center_grid` from the region logits of every token."""
         outputs = [(self.center, teacher.view)]
         if self.use_region_loss:
             outputs.append((self.center_grid, teacher.region[0].flatten(0, 1)))

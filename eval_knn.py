@@ -55,7 +55,7 @@ def add_weights_args(parser):
     g.add_argument("--pretrained_weights", default="", type=str,
                    help="checkpoint.pth of any method of this repository, its "
                         "teacher_backbone.pth, a released DINO ViT file, or a released EsViT / "
-                        "GLSD common.Swin checkpoint")
+                        "GLSD Swin checkpoint")
     g.add_argument("--checkpoint_key", default="teacher", type=str,
                    help="which network of a full checkpoint to evaluate (teacher or student)")
     g.add_argument("--random_init", action="store_true",
@@ -66,7 +66,7 @@ def add_weights_args(parser):
     g.add_argument("--patch_size", default=16, type=common.POSITIVE_INT,
                    help="ViT patch size of a plain state dict")
     g.add_argument("--window_size", default=7, type=common.POSITIVE_INT,
-                   help="common.Swin window size of a plain state dict")
+                   help="Swin window size of a plain state dict")
     return g
 
 
@@ -93,7 +93,7 @@ def add_eval_run_args(parser):
 
 
 def check_eval_crop(crop, arch, patch_size, flag="--crop"):
-    """Evaluation crops: a ViT needs whole patches (a common.Swin pads its token maps, which DRLoc's
+    """Evaluation crops: a ViT needs whole patches (a Swin pads its token maps, which DRLoc's
     small-image runs rely on)."""
     if common.ARCHS[arch]["family"] == "vit" and crop % patch_size:
         common.die(f"{flag} {crop} is not a multiple of the {arch} patch size ({patch_size} px); "
@@ -135,9 +135,9 @@ def backbone_state_dict(state_dict):
 
     `module.` (DistributedDataParallel) is removed. If some keys start with `backbone.` (a model
     wrapper, as in this repository and the DINO authors' checkpoints), only those are kept. Heads
-    (`head*`, which EsViT attaches to the backbone itself) and the official common.Swin's buffers
+    (`head*`, which EsViT attaches to the backbone itself) and the official Swin's buffers
     (relative_position_index, attn_mask; timm recomputes them) are left out. The official
-    common.Swin merges patches at the end of a stage, timm at the start of the next one, so the
+    Swin merges patches at the end of a stage, timm at the start of the next one, so the
     official `layers.{i}.downsample` becomes `layers.{i+1}.downsample`.
     """
     state = {k.removeprefix("module."): v for k, v in state_dict.items()}
@@ -151,7 +151,7 @@ def backbone_state_dict(state_dict):
         if k.split(".")[0].startswith("head") or k.endswith(timm_buffers):
             ignored.append(k)
             del state[k]
-    # the official common.Swin stage layout
+    # the official Swin stage layout
     if any(k.startswith("layers.0.downsample.") for k in state):
         state = {re.sub(r"^layers\.(\d+)\.downsample\.",
                         lambda m: f"layers.{int(m[1]) + 1}.downsample.", k): v
@@ -161,7 +161,7 @@ def backbone_state_dict(state_dict):
 
 def plain_state_shape(state, window_size, crop):
     """(window sizes, image size) to rebuild a plain backbone state dict: a ViT's image size from
-    its position table (patch grid x patch), a common.Swin's windows from its relative-position
+    its position table (patch grid x patch), a Swin's windows from its relative-position
     tables (one per stage; the evaluation crop is taken as its image size). Without a state dict (a
     random initialisation), `window_size` and the evaluation crop."""
     state = backbone_state_dict(state)[0] if isinstance(state, dict) else {}
@@ -185,7 +185,7 @@ def load_backbone(path, checkpoint_key="teacher", arch="vit_small", patch_size=1
     (teacher_backbone.pth, a released DINO ViT file; the architecture comes from the arguments, the
     image size and windows from the weights' tables: `plain_state_shape`), or
     a released EsViT / GLSD checkpoint (`checkpoint_key` entry with wrapper prefixes and the
-    official common.Swin layout). With `random_init` the weights are not loaded (the architecture
+    official Swin layout). With `random_init` the weights are not loaded (the architecture
     still comes from `path`, if any). SelfPatch's network is a `PooledViT`: its image token, not a
     CLS token. `crop` (the script's `crop_flag`) must be tiled by a ViT's patches.
     """
@@ -295,8 +295,9 @@ class IndexedDataset(torch.utils.data.Dataset):
 
 
 def all_gather_rows(*tensors):
-    """Each tensor's rows from every process, concatenated in rank order (the same on every
-    process). Processes may hold different numbers of rows: they are padded for the exchange."""
+    """Collective: each tensor's rows from every process, concatenated in rank order (the same on
+    every process). Processes may hold different numbers of rows: they are padded for the
+    exchange."""
     if not common.is_dist():
         return tensors
     count = torch.tensor([len(tensors[0])], device=tensors[0].device)
@@ -349,8 +350,8 @@ def bank_device(n_rows, dim, device):
 
 @torch.no_grad()
 def extract_features(model, dataset, transform, args, device):
-    """l2-normalised features [N, D] and labels [N] in dataset order, on the main process (None on
-    the others). Every process computes the rows of its share of the dataset."""
+    """Collective: l2-normalised features [N, D] and labels [N] in dataset order, on the main
+    process (None on the others). Every process computes the rows of its share of the dataset."""
     loader, _ = common.make_loader(IndexedDataset(dataset, transform), args.batch_size_per_gpu,
                                    args.num_workers, train=False)
     features = labels = None

@@ -159,10 +159,10 @@ def check_feature_args(model, args):
 
 @torch.no_grad()
 def extract_features(model, dataset, args, device):
-    """The probe features and labels of every readable image of `dataset`, in dataset order, on
-    every process (each process extracts its share; the rows are exchanged), and how many were
-    unreadable. In host memory: a GPU holds only the batches (ImageNet's ViT-S features are 7.9 GB,
-    once per process)."""
+    """Collective: the probe features and labels of every readable image of `dataset`, in dataset
+    order, on every process (each process extracts its share; the rows are exchanged), and how many
+    were unreadable. In host memory: a GPU holds only the batches (ImageNet's ViT-S features are 7.9
+    GB, once per process)."""
     indexed = eval_knn.IndexedDataset(dataset, common.eval_transform(args.resize, args.crop))
     loader, _ = common.make_loader(indexed, args.batch_size_per_gpu, args.num_workers,
                                    train=False)
@@ -248,7 +248,8 @@ def train_one_epoch(model, classifier, loader, optimizer, epoch, args, device):
 
 @torch.no_grad()
 def validate(model, classifier, loader, n_images, num_labels, args, device):
-    """Loss, top-1 and top-5 (with at least 5 classes) over every validation image exactly once."""
+    """Collective: loss, top-1 and top-5 (with at least 5 classes) over every validation image
+    exactly once."""
     classifier.eval()
     # per image: loss, top-1 correct, top-5 correct, readable
     per_image = torch.zeros(n_images, 4, device=device)

@@ -268,8 +268,8 @@ class GLSDLoss(nn.Module):
 
     @torch.no_grad()
     def update_centers(self, teacher):
-        """EMA of the mean raw teacher outputs over both global crops of every process: `center`
-        from the view logits, `center_grid` from the region logits of every token."""
+        """Collective: EMA of the mean raw teacher outputs over both global crops of every process:
+        `center` from the view logits, `center_grid` from the region logits of every token."""
         outputs = [(self.center, teacher.view)]
         if self.local_matching != "none":
             outputs.append((self.center_grid, teacher.region[0].flatten(0, 1)))

@@ -219,9 +219,9 @@ class SelfPatchLoss(nn.Module):
 
     @torch.no_grad()
     def update_centers(self, teacher_image, teacher_patches):
-        """EMA of the mean raw teacher output of every process: image logits of all crops (or of
-        the 2 global ones, `center_crops="global"`), and patch logits of all patches of all crops
-        (each patch weighs the same, whatever its crop's size)."""
+        """Collective: EMA of the mean raw teacher output of every process: image logits of all
+        crops (or of the 2 global ones, `center_crops="global"`), and patch logits of all patches of
+        all crops (each patch weighs the same, whatever its crop's size)."""
         world = common.get_world_size()
         if self.center_crops == "global":  # crop-major rows: the first 2 crops
             teacher_image = teacher_image[: 2 * len(teacher_image) // self.ncrops]
