@@ -1,7 +1,7 @@
 """extras/tools/eval_correspondence.py and extras/tools/visualize.py: the ground-truth mapping of
-the three protocols on hand-made geometries, a backbone that reads its tokens' positions from the pixels (perfect scores)
-and a constant one (chance), both scripts end to end on `synthetic` (one process and two), and the
-per-epoch monitor on tiny backbones, SelfPatch's CLS-free ViT included."""
+the three protocols on hand-made geometries, a backbone that reads its tokens' positions from the
+pixels (perfect scores) and a constant one (chance), both scripts end to end on `synthetic` (one
+process and two), and the per-epoch monitor on tiny backbones, SelfPatch's CLS-free ViT included."""
 import re
 import sys
 from pathlib import Path
