@@ -316,8 +316,8 @@ def add_evaluation(row, args, seed, kind):
                 lines[i] = json.dumps(r)
         provenance.rewrite_log(args.log, lines)
     if use:
-        split_ledger.record_test_result(args.ledger, use, value if kind == "linear_top1" else
-                                      [point["knn_top1"] for point in value])
+        result = value if kind == "linear_top1" else [point["knn_top1"] for point in value]
+        split_ledger.record_test_result(args.ledger, use, result)
     return value
 
 

@@ -348,7 +348,7 @@ def generated_blocks(records, ledger=None):
     the unstamped ones of its run, and the others are only listed (unstamped_note); the test uses
     from the ledger (its path; default: the committed one)."""
     uses = split_ledger.ledger_table(split_ledger.read_ledger(ledger or COMMITTED_LEDGER),
-                                   {"results.py"}, "epochs")
+                                     {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
     blocks = {"relogged": relogged_table(relogged),
               "unstamped": unstamped_note([r for r in records if not r.get("utc")])}

@@ -149,8 +149,8 @@ def main(argv=None):
     docs.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     started = provenance.start()
-    command = "python " + " ".join(["extras/perf/gpu_run.py", *(sys.argv[1:] if argv is None
-                                                                 else argv)])
+    words = sys.argv[1:] if argv is None else argv
+    command = "python " + " ".join(["extras/perf/gpu_run.py", *words])
     slug = re.sub(r"[^a-z0-9]+", "_", gpu.split(" (")[0].lower()).strip("_")
     text = docs / f"gpu_run_{slug}_{started['started_utc'][:10]}.txt"
     changed = ", ".join(started["uncommitted"]) or "none"
@@ -178,9 +178,10 @@ def main(argv=None):
             if name == "gpu_check":
                 record_check(out, docs, started, command, gpu)
         log.write(f"# ended {provenance.utc_now()} UTC\n")
+    written = [str(docs / name) for name in (text.name, "gpu_check.jsonl", "loader_cost.jsonl",
+                                             "side_by_side.jsonl") if (docs / name).exists()]
     print(f"\ngpu_run: {'; '.join(f'{k} {v}' for k, v in status.items())}\nto commit: "
-          + " ".join(str(docs / f) for f in (text.name, "gpu_check.jsonl", "loader_cost.jsonl",
-                                              "side_by_side.jsonl") if (docs / f).exists()))
+          + " ".join(written))
     return 0 if all(v.startswith("exit status 0 ") for v in status.values()) else 1
 
 
