@@ -517,8 +517,8 @@ def average_step_stats(losses):
 
 
 # ======== Speed only: CPU bf16 attention and the batched tensor crops =============================
-# Nothing here changes what is computed beyond rounding: a fork may replace `Attention` by timm's
-# and drop `--batched_crops` (all but the plain path of `crops_on_device`).
+# Nothing here changes what is computed beyond rounding (and nvJPEG's decoding): a fork may replace
+# `Attention` by timm's and drop `--batched_crops` (all but the plain path of `crops_on_device`).
 class Attention(TimmAttention):
     """timm's attention, computed explicitly (timm's unfused path) on a CPU under bf16 autocast:
     there the fused kernel's bf16 backward made vit_pico's attention 9x slower (torch 2.14)."""
@@ -537,7 +537,8 @@ class Attention(TimmAttention):
 @dataclasses.dataclass
 class UncroppedBatch:
     """`--batched_crops`: a batch as loader workers make it (`draw_multicrop`), its crops not yet
-    cut: uint8 images [3, H, W] of any sizes, each view's draws (plain data), the normalisation."""
+    cut: uint8 images [3, H, W] of any sizes (on a GPU also `EncodedJpeg` files), each view's
+    draws (plain data), the normalisation."""
     images: list
     views: list
     mean: tuple
