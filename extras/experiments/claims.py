@@ -152,10 +152,12 @@ def drloc_regime(records):
             said = "within noise: not decided here"
         return f"- {what}: {said} (gap {say(gap)}; one evaluation's binomial error {error:.2f})"
 
-    on = lambda data: "" if data == "fashion_mnist" else f", {data}"  # noqa: E731
+    def on(data):
+        return "" if data == "fashion_mnist" else f", {data}"
+
     lines = [
-        "DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first 5000 "
-        "train images:"
+        "DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first "
+        "5000 train images:"
     ]
     lines += [
         f"- `{arch}`, {n} epochs{on(data)}: {say(diffs)}"

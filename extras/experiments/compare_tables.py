@@ -178,8 +178,8 @@ def comparison_table(records, data, phase):
     holds the variants and ROWS' order within one."""
     lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | linear top-1 (%) | "
              "linear gain | "
-             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | h̄ / ln "
-             "K | "
+             "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | "
+             "h̄ / ln K | "
              "train time (min) | peak memory (MB) | logged (UTC) |", "|---" * 15 + "|"]
     chosen = [r for r in records if r["data"] == data and r["phase"] == phase]
     base = baselines(records, data, phase)
@@ -192,8 +192,8 @@ def comparison_table(records, data, phase):
             if not rs:
                 continue
             if row == "pixels":
-                lines.append(f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |" + " — |" * 9
-                             + f" {logged_dates(rs)} |")
+                pixels = f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |"
+                lines.append(pixels + " — |" * 9 + f" {logged_dates(rs)} |")
                 continue
             steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
             chosen = phase == "val" or row in RANDOM_ROWS or validated(records, row, variant)

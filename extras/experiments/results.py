@@ -173,7 +173,8 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
 
 
 def cell(values, digits=1):
-    """Mean ± half the range of the values that are not None; a lone value as it is; — when none."""
+    """Mean ± half the range of the values that are not None; a lone value as it is; — when
+    none."""
     values = [v for v in values if v is not None]
     if not values:
         return "—"
@@ -198,7 +199,8 @@ def table(records, phase):
         top1 = [r["top1"] for r in rs]
         logged = " / ".join(sorted({r["utc"][:10] for r in rs}))
         if name == "pixels":
-            rows.append(f"| raw pixels | — | — | {top1[0]:.1f} | — | — | — | — | {logged} |")
+            pixels = f"| raw pixels | — | — | {top1[0]:.1f} |"
+            rows.append(pixels + " — |" * 4 + f" {logged} |")
             continue
         timed = all("train_seconds" in r for r in rs)                # a resumed run logs no time
         minutes = f"{statistics.mean(r['train_seconds'] for r in rs) / 60:.1f}" if timed else "—"
