@@ -502,6 +502,41 @@ def test_long_budget_differences_pair_each_seed_with_dino_at_the_same_budget():
     assert compare.differences_table(records, runs=[]).startswith("No method row")
 
 
+def test_a_variant_that_trains_a_validated_setting_again_is_not_test_only():
+    records = fake_comparison_records()                  # vit_dino: recipe on val and test, 400 steps
+    rerun = [{**r, "variant": "fourk"} for r in records if r["row"] == "vit_dino" and r["phase"] == "test"]
+    other = [{**r, "variant": "wide", "extra": "--out_dim 4096"} for r in rerun]
+    longer = [{**r, "variant": "steps1600_fourk", "steps": 1600} for r in rerun]
+    table = compare.comparison_table(records + rerun + other + longer, "fashion_mnist", "test")
+    shown = [line.split(" | ")[1] for line in table.splitlines()[2:] if line.startswith("| vit_dino")]
+    assert shown == ["recipe", "fourk", "wide (test only)", "steps1600_fourk (test only)"]
+
+
+def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
+    records = fake_comparison_records()
+    assert "No trained row" in compare.compare_tables.knn_k_pixels_table(records)
+    pixels = {"10": 85.76, "20": 85.27, "100": 82.95, "200": 81.74}
+    network = {0: {"10": 85.0, "20": 86.0, "100": 84.0, "200": 82.0},
+               1: {"10": 86.5, "20": 85.5, "100": 84.5, "200": 81.5}}
+    by_k = [{**r, "knn_top1_by_k": pixels} if r["row"] == "pixels" and r["phase"] == "test" else
+            {**r, "knn_top1_by_k": network[r["seed"]]} if r["row"] == "vit_dino" and r["phase"] == "test" else r
+            for r in records]
+    table = compare.compare_tables.knn_k_pixels_table(by_k).splitlines()
+    assert len(table) == 3 and table[2].startswith("| vit_dino | 400 | 2 | ")
+    cells = table[2].split(" | ")[3:]
+    for k, text in zip(("10", "20", "100", "200"), cells):
+        diffs = [network[seed][k] - pixels[k] for seed in (0, 1)]
+        mean, spread = sum(diffs) / 2, abs(diffs[0] - diffs[1]) / 2
+        worst = min(network[0][k], network[1][k], pixels[k], key=lambda t: abs(t - 50)) / 100
+        error = 100 * (worst * (1 - worst) / 10000) ** 0.5
+        verdict = "finding" if abs(mean) > spread and abs(mean) > error else "noise"
+        assert text.rstrip(" |") == (f"{mean:+.1f} ± {spread:.1f} ({diffs[0]:+.2f}, {diffs[1]:+.2f}): {verdict}")
+    assert [c.rsplit(": ", 1)[1].rstrip(" |") for c in cells] == ["noise", "finding", "finding", "noise"]
+    knn = compare.compare_tables.knn_k_table(by_k).splitlines()
+    assert knn[2].startswith("| vit_dino | fashion_mnist | test | 400 | 0 | 85.00 | 86.00 | 84.00 | 82.00 |")
+    assert knn[4].startswith("| pixels | fashion_mnist | test | — | 0 | 85.76 |")
+
+
 def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch, capsys):
     """A row that left a checkpoint but no log line is trained again by the same command (the method
     script resumes it) and logged without a training time (only the last process's would be known);

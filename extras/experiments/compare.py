@@ -359,6 +359,7 @@ def generated_blocks(records, ledger=None):
                       records, runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
                   knn_k=compare_tables.knn_k_table(records),
+                  knn_k_pixels=compare_tables.knn_k_pixels_table(records),
                   test_uses=split_ledger.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
     blocks["commands"] = (("```bash\n" + "\n".join(commands) + "\n```") if commands

@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 
+import claims
 import provenance
 import results
 
@@ -21,6 +22,8 @@ from compare_rows import (BACKBONES, CURVE_FIELDS, FIELDS, METHOD_FLAGS,  # noqa
                           RANDOM_ROWS, ROWS, SUMMARY_COLUMNS, always, evaluated, trained)
 
 cell = results.cell
+KS = ("10", "20", "100", "200")       # DINO's four k (compare.py logs them as knn_top1_by_k)
+IMAGES = {"fashion_mnist": 10000, "fashion_mnist_8k": 2000, "shapes": 2000}   # evaluated
 
 
 def read_checked(path, what="--log"):
@@ -54,16 +57,41 @@ def current(records):
 
 def knn_k_table(records):
     """The lines that logged the k-NN at DINO's four k (`knn_top1_by_k`), one per line."""
-    ks = ("10", "20", "100", "200")
-    lines = ["| row | data | phase | seed | " + " | ".join(f"{k}-NN top-1 (%)" for k in ks)
-             + " | logged (UTC) |", "|---" * (5 + len(ks)) + "|"]
+    lines = ["| row | data | phase | steps | seed | " + " | ".join(f"{k}-NN top-1 (%)" for k in KS)
+             + " | logged (UTC) |", "|---" * (6 + len(KS)) + "|"]
     for r in records:
         if isinstance(r.get("knn_top1_by_k"), dict):
-            values = [r["knn_top1_by_k"].get(k) for k in ks]
+            values = [r["knn_top1_by_k"].get(k) for k in KS]
             cells = [f"{v:.2f}" if provenance.is_number(v) else "—" for v in values]
-            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['seed']} | "
+            steps = "—" if r["row"] == "pixels" or r["row"] in RANDOM_ROWS else r["steps"]
+            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {steps} | {r['seed']} | "
                          + " | ".join(cells) + f" | {provenance.when(r)} |")
     return "\n".join(lines) if len(lines) > 2 else "No line holds the k-NN at four k yet."
+
+
+def knn_k_pixels_table(records, data="fashion_mnist", phase="test"):
+    """Each trained row's k-NN minus the raw pixels' at the same k (same split, same vote), seed by
+    seed from unrounded values, and whether the difference is a finding (claims.finding: beyond the
+    seeds' spread and one evaluation's binomial error)."""
+    by_k = [r for r in records if (r["data"], r["phase"]) == (data, phase)
+            and isinstance(r.get("knn_top1_by_k"), dict)]
+    pixels = next((r["knn_top1_by_k"] for r in by_k if r["row"] == "pixels"), None)
+    groups = {}
+    for r in sorted(by_k, key=lambda r: (r["steps"], r["row"], r["seed"])):
+        if r["row"] in METHOD_FLAGS and pixels:
+            groups.setdefault((r["row"], r["steps"]), []).append(r["knn_top1_by_k"])
+    lines = ["| row | steps | seeds | " + " | ".join(f"{k}-NN minus pixels (seed 0, 1, ...)"
+                                                     for k in KS) + " |", "|---" * 7 + "|"]
+    for (row, steps), seeds in groups.items():
+        cells = []
+        for k in KS:
+            diffs = [values[k] - pixels[k] for values in seeds]
+            error = claims.binomial_error([v[k] for v in seeds] + [pixels[k]], IMAGES[data])
+            verdict = claims.finding(diffs, error) if len(diffs) > 1 else "one seed"
+            cells.append(f"{signed(diffs)} ({', '.join(f'{d:+.2f}' for d in diffs)}): {verdict}")
+        lines.append(f"| {row} | {steps} | {len(seeds)} | " + " | ".join(cells) + " |")
+    return ("\n".join(lines) if len(lines) > 2
+            else f"No trained row on {data}'s {phase} split holds the k-NN at four k yet.")
 
 
 def withdrawn_table(records):
@@ -156,9 +184,13 @@ def logged_dates(rs):
 
 
 def validated(records, row, variant):
-    """Whether a row and variant ran on the validation split (Fashion-MNIST's: the settings of every
-    dataset are chosen there) before its test evaluation is reported."""
-    return any((r["phase"], r["row"], r["variant"]) == ("val", row, variant) for r in records)
+    """Whether a row's setting under this variant (its steps and --extra flags) ran on the
+    validation split (Fashion-MNIST's: the settings of every dataset are chosen there), under any
+    variant name: a variant that trains a validated setting again (`fourk`) is not test-only."""
+    settings = {(r["steps"], r.get("extra", "")) for r in records
+                if (r["row"], r["variant"]) == (row, variant)}
+    return any(r["phase"] == "val" and r["row"] == row
+               and (r["steps"], r.get("extra", "")) in settings for r in records)
 
 
 def train_minutes(rs):
