@@ -512,16 +512,25 @@ def test_a_variant_that_trains_a_validated_setting_again_is_not_test_only():
     assert shown == ["recipe", "fourk", "wide (test only)", "steps1600_fourk (test only)"]
 
 
+def test_a_command_without_a_curve_keeps_the_checkpoint_spacing_its_training_ran_with():
+    records = [{k: v for k, v in r.items() if k != "curve"} | {"variant": "steps1600_fourk", "steps": 1600,
+               "commands": ["python dino.py --epochs 32 --max_steps_per_epoch 50 --saveckp_freq 8 --seed 0"]}
+               for r in fake_comparison_records() if r["row"] == "vit_dino" and r["phase"] == "test"]
+    assert compare.reproducing_commands(records) == [
+        "python extras/experiments/compare.py --data fashion_mnist --phase test --steps 1600 --seeds 0 1 "
+        "--rows vit_dino --curve_every 400 --curve_seeds --variant steps1600_fourk"]
+
+
 def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
     records = fake_comparison_records()
-    assert "No trained row" in compare.compare_tables.knn_k_pixels_table(records)
+    assert "No trained row" in compare.four_k.knn_k_pixels_table(records)
     pixels = {"10": 85.76, "20": 85.27, "100": 82.95, "200": 81.74}
     network = {0: {"10": 85.0, "20": 86.0, "100": 84.0, "200": 82.0},
                1: {"10": 86.5, "20": 85.5, "100": 84.5, "200": 81.5}}
     by_k = [{**r, "knn_top1_by_k": pixels} if r["row"] == "pixels" and r["phase"] == "test" else
             {**r, "knn_top1_by_k": network[r["seed"]]} if r["row"] == "vit_dino" and r["phase"] == "test" else r
             for r in records]
-    table = compare.compare_tables.knn_k_pixels_table(by_k).splitlines()
+    table = compare.four_k.knn_k_pixels_table(by_k).splitlines()
     assert len(table) == 3 and table[2].startswith("| vit_dino | 400 | 2 | ")
     cells = table[2].split(" | ")[3:]
     for k, text in zip(("10", "20", "100", "200"), cells):
@@ -532,7 +541,7 @@ def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
         verdict = "finding" if abs(mean) > spread and abs(mean) > error else "noise"
         assert text.rstrip(" |") == (f"{mean:+.1f} ± {spread:.1f} ({diffs[0]:+.2f}, {diffs[1]:+.2f}): {verdict}")
     assert [c.rsplit(": ", 1)[1].rstrip(" |") for c in cells] == ["noise", "finding", "finding", "noise"]
-    knn = compare.compare_tables.knn_k_table(by_k).splitlines()
+    knn = compare.four_k.knn_k_table(by_k).splitlines()
     assert knn[2].startswith("| vit_dino | fashion_mnist | test | 400 | 0 | 85.00 | 86.00 | 84.00 | 82.00 |")
     assert knn[4].startswith("| pixels | fashion_mnist | test | — | 0 | 85.76 |")
 

@@ -68,6 +68,7 @@ import provenance  # noqa: E402  (this file's folder is on sys.path when it runs
 import split_ledger  # noqa: E402
 import results  # noqa: E402
 import compare_tables  # noqa: E402
+import four_k  # noqa: E402
 from evaluator import (CORRESPONDENCE_IMAGES, EVAL, LINEAR, RAW_FIGURES,  # noqa: E402,F401
                        Evaluator)
 from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
@@ -358,8 +359,8 @@ def generated_blocks(records, ledger=None):
                   long_budget_differences=differences_table(
                       records, runs=compare_tables.long_runs(records)),
                   relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
-                  knn_k=compare_tables.knn_k_table(records),
-                  knn_k_pixels=compare_tables.knn_k_pixels_table(records),
+                  knn_k=four_k.knn_k_table(records),
+                  knn_k_pixels=four_k.knn_k_pixels_table(records),
                   test_uses=split_ledger.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
     blocks["commands"] = (("```bash\n" + "\n".join(commands) + "\n```") if commands

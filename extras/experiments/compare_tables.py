@@ -11,10 +11,10 @@ existed are marked "no timestamp"; once their row is run again (`compare.py --re
 line replaces them, and `relogged_table` sets the two side by side.
 """
 import json
+import re
 import statistics
 import sys
 
-import claims
 import provenance
 import results
 
@@ -22,8 +22,6 @@ from compare_rows import (BACKBONES, CURVE_FIELDS, FIELDS, METHOD_FLAGS,  # noqa
                           RANDOM_ROWS, ROWS, SUMMARY_COLUMNS, always, evaluated, trained)
 
 cell = results.cell
-KS = ("10", "20", "100", "200")       # DINO's four k (compare.py logs them as knn_top1_by_k)
-IMAGES = {"fashion_mnist": 10000, "fashion_mnist_8k": 2000, "shapes": 2000}   # evaluated
 
 
 def read_checked(path, what="--log"):
@@ -53,45 +51,6 @@ def current(records):
     stamped)]): `compare.py --relog` runs the rows of such lines again with the same command."""
     kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
     return provenance.superseded(kept, log_key)
-
-
-def knn_k_table(records):
-    """The lines that logged the k-NN at DINO's four k (`knn_top1_by_k`), one per line."""
-    lines = ["| row | data | phase | steps | seed | " + " | ".join(f"{k}-NN top-1 (%)" for k in KS)
-             + " | logged (UTC) |", "|---" * (6 + len(KS)) + "|"]
-    for r in records:
-        if isinstance(r.get("knn_top1_by_k"), dict):
-            values = [r["knn_top1_by_k"].get(k) for k in KS]
-            cells = [f"{v:.2f}" if provenance.is_number(v) else "—" for v in values]
-            steps = "—" if r["row"] == "pixels" or r["row"] in RANDOM_ROWS else r["steps"]
-            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {steps} | {r['seed']} | "
-                         + " | ".join(cells) + f" | {provenance.when(r)} |")
-    return "\n".join(lines) if len(lines) > 2 else "No line holds the k-NN at four k yet."
-
-
-def knn_k_pixels_table(records, data="fashion_mnist", phase="test"):
-    """Each trained row's k-NN minus the raw pixels' at the same k (same split, same vote), seed by
-    seed from unrounded values, and whether the difference is a finding (claims.finding: beyond the
-    seeds' spread and one evaluation's binomial error)."""
-    by_k = [r for r in records if (r["data"], r["phase"]) == (data, phase)
-            and isinstance(r.get("knn_top1_by_k"), dict)]
-    pixels = next((r["knn_top1_by_k"] for r in by_k if r["row"] == "pixels"), None)
-    groups = {}
-    for r in sorted(by_k, key=lambda r: (r["steps"], r["row"], r["seed"])):
-        if r["row"] in METHOD_FLAGS and pixels:
-            groups.setdefault((r["row"], r["steps"]), []).append(r["knn_top1_by_k"])
-    lines = ["| row | steps | seeds | " + " | ".join(f"{k}-NN minus pixels (seed 0, 1, ...)"
-                                                     for k in KS) + " |", "|---" * 7 + "|"]
-    for (row, steps), seeds in groups.items():
-        cells = []
-        for k in KS:
-            diffs = [values[k] - pixels[k] for values in seeds]
-            error = claims.binomial_error([v[k] for v in seeds] + [pixels[k]], IMAGES[data])
-            verdict = claims.finding(diffs, error) if len(diffs) > 1 else "one seed"
-            cells.append(f"{signed(diffs)} ({', '.join(f'{d:+.2f}' for d in diffs)}): {verdict}")
-        lines.append(f"| {row} | {steps} | {len(seeds)} | " + " | ".join(cells) + " |")
-    return ("\n".join(lines) if len(lines) > 2
-            else f"No trained row on {data}'s {phase} split holds the k-NN at four k yet.")
 
 
 def withdrawn_table(records):
@@ -462,6 +421,17 @@ def costs_table(records, data="fashion_mnist", phase="test"):
             else f"No {phase}-phase row on {data} logs its CPU seconds yet.")
 
 
+def kept_every(record):
+    """The steps between the checkpoints a row's training kept (--curve_every): its curve's first
+    step, else its training command's --saveckp_freq epochs of --max_steps_per_epoch steps."""
+    if record.get("curve"):
+        return record["curve"][0]["step"]
+    command = " ".join(record.get("commands", [])[:1])
+    found = [re.findall(rf"{flag} (\d+)", command)
+             for flag in ("--saveckp_freq", "--max_steps_per_epoch")]
+    return int(found[0][-1]) * int(found[1][-1]) if all(found) else None
+
+
 def reproducing_commands(records, curve_every_default, curve_seeds_default):
     """One `python extras/experiments/compare.py ...` line per (data, phase, variant, steps,
     extra), rows and seeds together."""
@@ -476,9 +446,10 @@ def reproducing_commands(records, curve_every_default, curve_seeds_default):
         seeds.add(r["seed"])
         if r["row"] in METHOD_FLAGS:
             trained_seeds.add(r["seed"])
-        if r.get("curve"):                    # the seeds with a learning curve and its spacing
+        if r.get("curve"):                    # the seeds with a learning curve
             curve_seeds.add(r["seed"])
-            curve_every.add(r["curve"][0]["step"])
+        if kept_every(r):
+            curve_every.add(kept_every(r))
     lines = []
     for key, (rows, seeds, trained_seeds, curve_seeds, curve_every) in groups.items():
         data, phase, variant, steps, extra, skip_linear = key
