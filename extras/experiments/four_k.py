@@ -33,17 +33,17 @@ def knn_k_pixels_table(records, data="fashion_mnist", phase="test"):
     pixels = next((r["knn_top1_by_k"] for r in by_k if r["row"] == "pixels"), None)
     groups = {}
     for r in sorted(by_k, key=lambda r: (r["steps"], r["row"], r["seed"])):
-        if r["row"] in METHOD_FLAGS and pixels:
-            groups.setdefault((r["row"], r["steps"]), []).append(r["knn_top1_by_k"])
-    lines = ["| row | steps | seeds | " + " | ".join(f"{k}-NN minus pixels (seed 0, 1, ...)"
-                                                     for k in KS) + " |", "|---" * 7 + "|"]
-    for (row, steps), seeds in groups.items():
+        if r["row"] in METHOD_FLAGS and pixels:      # a variant is a setting of its own
+            groups.setdefault((r["row"], r["variant"], r["steps"]), []).append(r["knn_top1_by_k"])
+    header = " | ".join(f"{k}-NN minus pixels (seed 0, 1, ...)" for k in KS)
+    lines = [f"| row | variant | steps | seeds | {header} |", "|---" * 8 + "|"]
+    for (row, variant, steps), seeds in groups.items():
         cells = []
         for k in KS:
             diffs = [values[k] - pixels[k] for values in seeds]
             error = claims.binomial_error([v[k] for v in seeds] + [pixels[k]], IMAGES[data])
             verdict = claims.finding(diffs, error) if len(diffs) > 1 else "one seed"
             cells.append(f"{signed(diffs)} ({', '.join(f'{d:+.2f}' for d in diffs)}): {verdict}")
-        lines.append(f"| {row} | {steps} | {len(seeds)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row} | {variant} | {steps} | {len(seeds)} | " + " | ".join(cells) + " |")
     return ("\n".join(lines) if len(lines) > 2
             else f"No trained row on {data}'s {phase} split holds the k-NN at four k yet.")
