@@ -376,7 +376,6 @@ class MultiCropAugmentation:
         return crops, geometry
 
 
-
 def grid_centers(geometry, grid_size):
     """Centre of each cell of an (h, w) grid over each (maybe mirrored) crop: [B, h*w, 2] px."""
     h, w = grid_size

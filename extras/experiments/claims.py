@@ -110,6 +110,7 @@ def drloc_regime(records):
             arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
             if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
                 settings[arch, r.get("variant", "recipe")] = drloc_setting(r)
+
         def order(item):
             """By data, architecture, longest training first, the recipe before other variants."""
             (arch, variant), (data, epochs) = item

@@ -187,7 +187,6 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
     return pil_to_tensor(picture)
 
 
-
 def read_json_lines(path):
     """extras/experiments/compare.py's log as its tables show it (compare_tables.current); one
     line and exit 1 for any other file."""
@@ -247,7 +246,6 @@ def save_curves(picture, data, args):
     to_pil_image(picture).save(args.output, pnginfo=info)
     common.log(f"curves picture written to {args.output}")
     return picture
-
 
 
 if __name__ == "__main__":

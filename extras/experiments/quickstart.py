@@ -187,7 +187,9 @@ def datasets_table(records):
             lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | "
                          f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
                          f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} |")
-    name = lambda r: f"{r['data']} trained on {r.get('trained_on', r['data'])}"    # noqa: E731
+
+    def name(r):
+        return f"{r['data']} trained on {r.get('trained_on', r['data'])}"
     return "\n".join(lines + superseded_notes(records, "test", name))
 
 

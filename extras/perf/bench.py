@@ -219,7 +219,8 @@ def clocked(module, clocks):
     original = module.train_one_epoch
 
     def train_one_epoch(*args, **kwargs):
-        wrap = lambda a: Clock(a) if isinstance(a, torch.utils.data.DataLoader) else a  # noqa: E731
+        def wrap(a):
+            return Clock(a) if isinstance(a, torch.utils.data.DataLoader) else a
         args, kwargs = [wrap(a) for a in args], {k: wrap(v) for k, v in kwargs.items()}
         clock = next(a for a in [*args, *kwargs.values()] if isinstance(a, Clock))
         clocks.append(clock)

@@ -203,8 +203,8 @@ def correspondence_means(sums):
     return {**{k: (sums[i] / max(pairs, 1)).item() for i, k in enumerate(CORRESPONDENCE_METRICS)},
             "pairs": pairs}
 
-PROTOCOLS = CORRESPONDENCE_PROTOCOLS
 
+PROTOCOLS = CORRESPONDENCE_PROTOCOLS
 
 
 # ================================================================================================

@@ -320,6 +320,7 @@ def main(args):
         return save(crops_picture(dataset, augment, args.seed, args.indices, args.picture_size,
                                   args.batched_crops), args)
     image = load_image(args)
+
     def load(key):
         crop = getattr(args, "image_size", None) or args.global_crop_size
         crop_flag = "--image_size" if args.picture == "attention" else "--global_crop_size"
