@@ -530,7 +530,8 @@ def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
     by_k = [{**r, "knn_top1_by_k": pixels} if r["row"] == "pixels" and r["phase"] == "test" else
             {**r, "knn_top1_by_k": network[r["seed"]]} if r["row"] == "vit_dino" and r["phase"] == "test" else r
             for r in records]
-    table = compare.four_k.knn_k_pixels_table(by_k).splitlines()
+    partial = {**by_k[-1], "row": "vit_esvit", "phase": "test", "knn_top1_by_k": {"20": 70.0}}
+    table = compare.four_k.knn_k_pixels_table(by_k + [partial]).splitlines()
     assert len(table) == 3 and table[2].startswith("| vit_dino | recipe | 400 | 2 | ")
     cells = table[2].split(" | ")[4:]
     for k, text in zip(("10", "20", "100", "200"), cells):

@@ -24,12 +24,18 @@ def knn_k_table(records):
     return "\n".join(lines) if len(lines) > 2 else "No line holds the k-NN at four k yet."
 
 
+def all_four_k(record):
+    """Whether the line holds a number at each of the four k (a line without them is no row of
+    the differences, rather than a KeyError)."""
+    by_k = record.get("knn_top1_by_k")
+    return isinstance(by_k, dict) and all(provenance.is_number(by_k.get(k)) for k in KS)
+
+
 def knn_k_pixels_table(records, data="fashion_mnist", phase="test"):
     """Each trained row's k-NN minus the raw pixels' at the same k (same split, same vote), seed by
     seed from unrounded values, and whether the difference is a finding (claims.finding: beyond the
     seeds' spread and one evaluation's binomial error)."""
-    by_k = [r for r in records if (r["data"], r["phase"]) == (data, phase)
-            and isinstance(r.get("knn_top1_by_k"), dict)]
+    by_k = [r for r in records if (r["data"], r["phase"]) == (data, phase) and all_four_k(r)]
     pixels = next((r["knn_top1_by_k"] for r in by_k if r["row"] == "pixels"), None)
     groups = {}
     for r in sorted(by_k, key=lambda r: (r["steps"], r["row"], r["seed"])):
