@@ -133,10 +133,9 @@ def test_lowering_epochs_to_those_trained_writes_what_the_done_line_names(tmp_pa
              str(tmp_path)]
     with monkeypatch.context() as patched:
         preempted_after_first_epoch(patched, tmp_path)
-        with pytest.raises(SystemExit) as stop:
-            module.main(parse(module, [*flags, "--epochs", "3"]))
-    assert stop.value.code == 0 and torch.load(tmp_path / "checkpoint.pth",
-                                               weights_only=True)["epoch"] == 1
+        # exit 0 (torch's `record` returns for it)
+        assert module.main(parse(module, [*flags, "--epochs", "3"])) is None
+    assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 1
     backbone_file, network = ("backbone.pth",
                               "model") if method == "drloc" else ("teacher_backbone.pth", "teacher")
     assert not (tmp_path / backbone_file).exists()
