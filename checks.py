@@ -1,14 +1,8 @@
 """Safety checks of the training and evaluation scripts: each refuses a mistake in one line.
 
-Each is called from one line marked `# checks`. A fork may delete this file and those lines: every
-script still trains, resumes and evaluates, without these refusals (docs/ERRORS.md lists them).
-  1. One run per --output_dir (a lock that names its holder; another script's folder refused).
-  2. Start-up and resume checks: crop flags, a flag --arch ignores, a looped image folder, a
-     checkpoint of another method, other arguments, another dataset.
-  3. The non-finite stop: a debug checkpoint and what to try.
-  4. Exits in one line: a user's mistake (`common.die`), Ctrl-C and an unreadable image. Any other
-     error keeps its own message (torch names out of memory, a dead loader worker, a lost peer),
-     and torch's `record` writes torchrun's error file.
+Each is called from one line marked `# checks`; a fork may delete this file and those lines, and
+every script still trains, resumes and evaluates, without the refusals (docs/ERRORS.md lists them):
+one run per --output_dir, start-up and resume checks, the non-finite stop, exits in one line.
 """
 import contextlib
 import errno
@@ -57,7 +51,7 @@ def claim_output_dir(output_dir, script, checkpoint="checkpoint.pth"):
 def release_output_dir():
     """Unlock --output_dir (a main() called in a process that goes on; `.lock` itself stays)."""
     global _claim
-    if _claim is not None and _claim["fd"] is not None:
+    if _claim and _claim["fd"] is not None:
         os.close(_claim["fd"])
     _claim = None
 
@@ -99,7 +93,7 @@ RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_i
 
 def check_start_args(args, stride=None):
     """Refused before any data or model work: a warm-up longer than the run, crop flags (sizes in
-    tokens of --arch's stride, or of `stride` px), a looped image folder."""
+    tokens of --arch's stride, or of `stride` px)."""
     if args.warmup_epochs > args.epochs:
         die(f"--warmup_epochs {args.warmup_epochs} is longer than --epochs {args.epochs}; lower it")
     check_scale_range("--global_crops_scale", args.global_crops_scale)
@@ -115,7 +109,6 @@ def check_start_args(args, stride=None):
     if sizes.get("--local_crop_size", 0) > args.global_crop_size:
         die(f"--local_crop_size {args.local_crop_size} is larger than --global_crop_size "
             f"{args.global_crop_size}: the local crops are the small views")
-    check_data_path(args)
 
 
 def check_data_path(args):
@@ -146,9 +139,10 @@ def check_scale_range(flag, scale):
 
 
 def check_resumed_args(ckpt, args, method, run_only=()):
-    """Refuse a flag that --arch ignores, a checkpoint of another method, or one trained with
-    arguments that change what is trained (all but `RUN_ONLY_ARGS` and `run_only`)."""
+    """Refuse a flag that --arch ignores, a looped image folder, a checkpoint of another method,
+    or one trained with arguments that change what is trained (but `RUN_ONLY_ARGS`, `run_only`)."""
     check_arch_flags(args)
+    check_data_path(args)
     if ckpt is None:
         return
     path = Path(args.output_dir) / "checkpoint.pth"
@@ -211,8 +205,8 @@ def check_finite(stats, epoch, args, student, teacher, optimizer, criterion):
 
 # ======== 4. Exits in one line ===================================================================
 def one_line_exits(main):
-    """`main` with a user's mistake (`die`), Ctrl-C and an unreadable image in one line, also in
-    torchrun's error file; any other error keeps its traceback, which torch's `record` writes."""
+    """`main` with a user's mistake, Ctrl-C and an unreadable image in one line, also for torchrun.
+    Other errors keep torch's message (out of memory, a dead worker, a lost peer) and `record`."""
     @functools.wraps(main)
     @record
     def run(args):

@@ -807,9 +807,7 @@ class SeededDataset(torch.utils.data.Dataset):
         index, epoch = index if isinstance(index, tuple) else (index, self.epoch)
         image, label = self.base[index]
         seed = sample_seed(self.seed, epoch, index)
-        if torch.utils.data.get_worker_info() is not None:  # a worker's generators are its own
-            return self.seeded_transform(image, seed), label
-        # in the main process (num_workers=0) the training loop draws too: restore the generators
+        # restored: in the main process (num_workers=0) the training loop draws from them too
         py_state = random.getstate()
         np_state = np.random.get_state()
         with torch.random.fork_rng(devices=[]):

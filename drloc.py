@@ -542,10 +542,8 @@ def main(args):
     device = common.init_distributed(args.device)
     args.precision, args.precision_auto = common.resolve_precision(args.precision, device)
     common.install_preemption_handler()
-    # as Swin's code: Mixup / CutMix and drop path draw per process
-    common.fix_random_seeds(args.seed + common.get_rank())
+    common.fix_random_seeds(args.seed + common.get_rank())  # Swin's: Mixup, drop path per process
     check_args(args)  # checks
-    checks.check_data_path(args)  # checks
     checks.claim_output_dir(args.output_dir, "drloc.py")  # checks
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
     args.world_size = common.get_world_size()  # recorded: with the batch, the peak lr
