@@ -222,9 +222,10 @@ def one_line_exits(main):
             if isinstance(e.code, str):  # die(): a user error
                 report(e.code)
             raise
-        except common.BadImageError as e:  # raised again by torch with the worker's traceback
+        except common.BadImageError as e:  # a worker's: its traceback's last line is the error's
             common.close_progress_bars(end_line=True)  # the error starts a line
-            raise SystemExit(report(f"error: {e.image_error}")) from None
+            line = str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
+            raise SystemExit(report(f"error: {line}")) from None
         finally:
             release_output_dir()
     return run

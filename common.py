@@ -513,12 +513,7 @@ def die(message):
 
 # ======== B1. Data ================================================================================
 class BadImageError(RuntimeError):
-    """An unreadable image. A loader worker's is raised again by torch with the worker's traceback
-    around it; its own line, `image_error`, is that traceback's last."""
-
-    @property
-    def image_error(self):
-        return str(self).strip().splitlines()[-1].split("BadImageError: ")[-1]
+    """An unreadable image (a loader worker's is raised again by torch, its traceback around it)."""
 
 
 def load_image(path):
@@ -895,11 +890,7 @@ def choose_precision(device):
     """What `--precision auto` runs on `device`, and why: native bf16 (GPU or CPU), else on a GPU
     fp16 with a grad scaler (as the authors train), else fp32 (emulated bf16: ~25x slower)."""
     if device.type == "cuda":
-        try:
-            native = torch.cuda.is_bf16_supported(including_emulation=False)
-        except TypeError:  # an older torch: from the compute capability
-            native = torch.cuda.get_device_capability(device) >= (8, 0)
-        if native:
+        if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16", "this GPU computes in bf16 natively"
         return "fp16", "this GPU has no native bf16: fp16 with a grad scaler, as the authors train"
     if device.type != "cpu":
@@ -1022,7 +1013,10 @@ def install_preemption_handler():
     """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0
     (or, past the grace period, `end_unless_checkpointed`)."""
     preemption.signal = None
-    preemption.grace_seconds = grace_seconds(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
+    try:
+        preemption.grace_seconds = POSITIVE(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
+    except argparse.ArgumentTypeError as e:
+        die(f"PREEMPTION_GRACE_SECONDS: {e} (seconds, 300 by default)")
 
     def handler(signum, frame):
         if preemption.signal is None:  # the grace period starts: a checkpoint from now on ends it
@@ -1031,15 +1025,6 @@ def install_preemption_handler():
         preemption.signal = signal.Signals(signum).name
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
-
-
-def grace_seconds(text):
-    """PREEMPTION_GRACE_SECONDS: a finite number of seconds above 0, else one line."""
-    with contextlib.suppress(ValueError):
-        if 0 < float(text) < math.inf:
-            return float(text)
-    die(f"PREEMPTION_GRACE_SECONDS={text} is not a finite number of seconds above 0; set it to "
-        f"e.g. 300 (the default), or unset it")
 
 
 def end_unless_checkpointed():

@@ -88,8 +88,8 @@ def test_an_error_torch_names_keeps_its_type_and_message(error):
 
 
 def test_torchruns_error_file_holds_a_users_mistake_and_any_other_error(tmp_path, monkeypatch):
-    """torch's `record` writes the file that torchrun reports from: a `die` line as it is (no
-    traceback of ours), another error with its traceback."""
+    """The file that torchrun reports from: a `die` line as it is (no traceback of ours); another
+    error as torch's `record` writes it, with its traceback."""
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
 
@@ -98,7 +98,7 @@ def test_torchruns_error_file_holds_a_users_mistake_and_any_other_error(tmp_path
     with pytest.raises(SystemExit, match="^error: --arch vit_huge is unknown$"):
         common.run_script(checks.one_line_exits(mistake), argparse.ArgumentParser(), argv=[])
     message = json.loads(error_file.read_text())["message"]["message"]
-    assert message == "SystemExit: error: --arch vit_huge is unknown"
+    assert message == "error: --arch vit_huge is unknown"
 
     def crash(args):
         raise ValueError("a bug")

@@ -215,7 +215,6 @@ def test_crop_size_rule_is_checked_at_start_up_by_every_self_supervised_script(t
     import dino
     import esvit
     import selfpatch
-    import common
     for module, arch in ((dino, "swin_pico"), (esvit, "swin_pico"), (selfpatch, "vit_small")):
         bad = module.get_args_parser().parse_args(["--arch", arch, "--local_crop_size", "40"])
         with pytest.raises(SystemExit, match="--local_crop_size 40 is not a multiple"):
@@ -1006,16 +1005,22 @@ def test_a_data_path_without_train_but_with_val_is_refused(tmp_path, script):
     assert f"--data_path {tmp_path} has no train/ folder but has val/" in line, line
 
 
-def test_a_grace_period_that_is_no_number_of_seconds_is_one_line():
+def test_a_grace_period_that_is_no_number_of_seconds_is_one_line(monkeypatch):
     code = "import common; common.install_preemption_handler()"  # (nothing happens at import)
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, env={**ENV, "PREEMPTION_GRACE_SECONDS": "abc"})
-    assert error_line(result) == ("error: PREEMPTION_GRACE_SECONDS=abc is not a finite number of "
-                                 "seconds above 0; set it to e.g. 300 (the default), or unset it")
+    assert error_line(result) == ("error: PREEMPTION_GRACE_SECONDS: expected a number, got 'abc' "
+                                  "(seconds, 300 by default)")
     for value in ("0", "-1", "inf", "nan"):
-        with pytest.raises(SystemExit, match=f"PREEMPTION_GRACE_SECONDS={value} is not a finite"):
-            common.grace_seconds(value)
-    assert common.grace_seconds("2.5") == 2.5
+        monkeypatch.setenv("PREEMPTION_GRACE_SECONDS", value)
+        with pytest.raises(SystemExit, match=f"PREEMPTION_GRACE_SECONDS: {value} is out of range"):
+            common.install_preemption_handler()
+    monkeypatch.setenv("PREEMPTION_GRACE_SECONDS", "2.5")
+    with monkeypatch.context() as signals:  # the handler installed, then the test's restored
+        for sig in common.PREEMPTION_SIGNALS:
+            signals.setattr(common.signal, "signal", lambda *a: None)
+        common.install_preemption_handler()
+    assert common.preemption.grace_seconds == 2.5
 
 
 def test_init_from_a_step_past_this_runs_epoch_is_refused(tmp_path, monkeypatch):
