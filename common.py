@@ -1127,10 +1127,11 @@ def open_for_writing(path, mode="w"):
 
 
 def save_checkpoint(state, path):
-    """Write atomically (temporary file, fsync, rename): a crash leaves the old or new file."""
+    """Write atomically (temporary file, fsync, rename): a crash leaves the old or new file, and
+    at most the temporary file, which the next save of `path` writes over (one writer a folder)."""
     path = Path(path)
     preemption.checkpoint_reached.set()  # a preempted step's grace period ends here
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open_for_writing(tmp, "wb") as f:
             torch.save(state, f)
@@ -1146,18 +1147,6 @@ def save_checkpoint(state, path):
     finally:
         with contextlib.suppress(OSError):  # a read-only file system: nothing to remove
             tmp.unlink(missing_ok=True)  # only left over when the write failed
-
-
-def remove_stale_temporaries(output_dir):
-    """Delete the temporary files that a killed `save_checkpoint` left (not a live process's)."""
-    for tmp in Path(output_dir).glob(".*.tmp*"):
-        try:  # the writer's pid ends the name; alive (or another user's): a save in progress
-            os.kill(int(tmp.name.rsplit(".tmp", 1)[1]), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-            log(f"removed {tmp}, left by an interrupted checkpoint write")
-        except (ValueError, PermissionError):
-            pass
 
 
 def load_checkpoint(path, what="checkpoint", remedy=""):
@@ -1232,11 +1221,8 @@ def restore(checkpoint, **objects):
 
 
 def checkpoint_to_resume(output_dir):
-    """Collective: --output_dir's checkpoint.pth, or None for a fresh start (stale temporaries
-    removed)."""
+    """Collective: --output_dir's checkpoint.pth, or None for a fresh start."""
     path = Path(output_dir) / "checkpoint.pth"
-    if is_main_process():
-        remove_stale_temporaries(output_dir)
     return agree_on_resume(path, load_checkpoint(path) if path.exists() else None)
 
 
@@ -1281,7 +1267,7 @@ def keep_log_records(path, epochs_done):
     if kept != lines:
         log(f"{path}: {len(lines) - len(kept)} line(s) dropped (cut, or of an epoch that no "
             f"checkpoint holds)")
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.tmp")
         with open_for_writing(tmp) as f:
             f.write("".join(kept))
         os.replace(tmp, path)  # atomically
