@@ -229,3 +229,15 @@ def test_a_fork_without_the_optional_files_evaluates(tmp_path):
                            cwd=fork, capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("tool", ["visualize.py", "eval_correspondence.py"])
+def test_a_tool_in_a_fork_without_the_optional_files_says_so_in_one_line(tmp_path, tool):
+    fork = fork_without_optional_files(tmp_path)
+    (fork / "extras" / "tools").mkdir(parents=True)
+    for name in ("visualize.py", "eval_correspondence.py"):
+        (fork / "extras" / "tools" / name).write_text((ROOT / "extras" / "tools" / name).read_text())
+    r = subprocess.run([sys.executable, f"extras/tools/{tool}", "--help"], cwd=fork,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith("needs checks.py beside common.py")

@@ -50,9 +50,12 @@ from torchvision.transforms import functional as TF
 
 # Run as `python extras/tools/eval_correspondence.py` from anywhere: the modules sit two folders up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import checks  # noqa: E402
 import common  # noqa: E402
 import eval_knn  # noqa: E402
+try:  # optional beside common.py: a fork may have left it out
+    import checks
+except ModuleNotFoundError as e:
+    raise SystemExit(f"error: eval_correspondence.py needs {e.name}.py beside common.py") from None
 
 import visualize  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
 

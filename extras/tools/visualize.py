@@ -41,10 +41,13 @@ from torchvision.utils import draw_segmentation_masks, make_grid
 # Run as `python extras/tools/visualize.py` from anywhere: the project's modules sit two
 # folders up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import checks  # noqa: E402
 import common  # noqa: E402
-import device_crops  # noqa: E402
 import eval_knn  # noqa: E402
+try:  # the optional files beside common.py: a fork may have left them out
+    import checks
+    import device_crops
+except ModuleNotFoundError as e:
+    raise SystemExit(f"error: visualize.py needs {e.name}.py beside common.py") from None
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
