@@ -245,14 +245,10 @@ def test_bench_applies_the_authors_cuda_settings_as_training_does(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# Native bf16 on a torch without is_bf16_supported(including_emulation=...)
+# Native bf16: is_bf16_supported(including_emulation=False) (torch 2.4 and later have it)
 # ------------------------------------------------------------------------------------------------
-def test_native_bf16_check_without_including_emulation(monkeypatch):
+def test_native_bf16_is_asked_without_emulation(monkeypatch):
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)   # an old signature: emulation counts
-    for capability, native in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert common.choose_precision(gpu)[0] == ("bf16" if native else "fp16")
     for native in (False, True):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native:
                             including_emulation or n)
