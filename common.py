@@ -979,9 +979,8 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @dataclasses.dataclass
 class Preemption:
-    """What a preemption signal leaves for the training loop and the watchdog: a step blocked on a
-    read (a FIFO, a hung mount) must not outlast it silently (`timeout` sends no SIGKILL). 300 s
-    of grace: more than a step or a validation takes, so that a slow run still checkpoints."""
+    """A preemption signal, for the loop and the watchdog: a step blocked on a read (a hung mount)
+    must not outlast it; 300 s of grace is more than a step or a validation takes."""
     signal: str = None  # the name of the signal received, once one is
     grace_seconds: float = 300.0
     checkpoint_reached: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -1104,9 +1103,8 @@ def set_rng_state(state):
 
 
 def open_for_writing(path, mode="w"):
-    """A file opened to write ("w", "wb") or append ("a"), its folder made if needed: never through
-    a symbolic link planted in its place (O_NOFOLLOW), never a FIFO, device or folder (a write
-    could block for ever or fail late)."""
+    """A file opened to write ("w", "wb") or append ("a"), its folder made: never through a link
+    planted in its place (O_NOFOLLOW), never a FIFO, device or folder (a write could block)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO: no wait for a reader
