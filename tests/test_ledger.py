@@ -183,13 +183,16 @@ def test_a_validation_run_writes_nothing_to_the_ledger(tmp_path, monkeypatch):
     assert len(seen) == 1 and not ledger.exists()
 
 
-def test_results_appends_before_training_and_refuses_an_unexplained_second_use(
+def test_results_appends_before_the_test_split_is_read_and_refuses_a_second_use(
     tmp_path, monkeypatch
 ):
     ledger, seen = tmp_path / "ledger.jsonl", []
 
-    def fake_run(name, variant, extra, phase, seed, work_dir):
+    def fake_run(name, variant, extra, phase, seed, work_dir, before_test):
+        before = [e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"]
+        before_test()           # the trained run is about to read the test split
         seen.append([e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"])
+        assert len(seen[-1]) == len(before) + 1
         return {"run": name, "variant": variant, "phase": phase, "seed": seed, "top1": 61.0}
 
     monkeypatch.setattr(results, "train_and_evaluate_unstamped", fake_run)
@@ -227,22 +230,32 @@ def test_results_appends_before_training_and_refuses_an_unexplained_second_use(
     assert [e["budget"] for e in seen[1]] == [1, 3]
 
 
-def test_quickstart_appends_before_training_and_refuses_an_unexplained_second_use(
-    tmp_path, monkeypatch
-):
+def test_quickstart_records_no_use_for_a_run_stopped_in_training(tmp_path, monkeypatch):
+    """A run stopped (SIGTERM) while it trains has read no test image: no use is recorded, and
+    the same command goes on without --reason; the use is recorded before the first k-NN."""
     ledger, seen = tmp_path / "ledger.jsonl", []
 
     class Stop(Exception):
         pass
 
+    def stopped_in_training(cmd, log_path):
+        raise Stop
+
     def fake_run(cmd, log_path):
+        if "eval_knn.py" not in cmd[1]:
+            return ""
         seen.append([e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"])
         raise Stop
 
-    monkeypatch.setattr(provenance, "run", fake_run)
     args = quickstart.get_args_parser().parse_args(
         ["--work_dir", str(tmp_path / "w"), "--ledger", str(ledger)]
     )
+    monkeypatch.setattr(provenance, "run", stopped_in_training)
+    with pytest.raises(Stop):
+        quickstart.run(args)
+    assert split_ledger.read_ledger(ledger) == []
+    monkeypatch.setattr(provenance, "run", fake_run)
+    monkeypatch.setattr(provenance, "check_trained", lambda cmd, out: None)
     with pytest.raises(Stop):
         quickstart.run(args)
     assert [(e["row"], e["data"], e["budget"]) for e in seen[0]] == [
@@ -314,3 +327,51 @@ def test_the_documents_count_of_test_uses_is_the_ledgers():
     assert counted == len(uses)  # every use of the ledger is in a document
     for name, path in (("compare.py", "docs/COMPARISON.md"), ("results.py", "docs/RESULTS.md")):
         assert f"<!-- {name}:test_uses -->" in (ROOT / path).read_text()
+
+
+USE = {"driver": "compare.py", "data": "d", "row": "vit_dino", "seed": 0, "budget": 400,
+       "evaluation": "row", "command": "python dino.py"}
+
+
+def test_an_append_starts_on_a_new_line_and_never_goes_through_a_link(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    use_id = split_ledger.record_test_use(ledger, USE)
+    ledger.write_text(ledger.read_text().rstrip("\n"))        # its last line without its newline
+    split_ledger.record_test_result(ledger, use_id, 61.0)
+    split_ledger.reword_reason(ledger, use_id, "again", "why")
+    assert [e["kind"] for e in split_ledger.read_ledger(ledger)] == ["use", "result", "reason"]
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text(ledger.read_text())
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(SystemExit, match="symbolic link"):
+        split_ledger.record_test_use(link, {**USE, "row": "vit_esvit"})
+    with pytest.raises(SystemExit, match="symbolic link"):
+        provenance.append_line(link, {"a": 1})
+    assert target.read_text() == ledger.read_text()
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"kind": "use", **{k: v for k, v in USE.items() if k != "driver"}, "id": "a",
+      "reason": "first use"}, "record 1 (use): driver is missing, not a text"),
+    ({"kind": "result", "id": "a"}, "record 1 (result): result is missing"),
+    ({"kind": "use", **USE, "seed": [0, 1], "id": "a", "reason": "r"},
+     "record 1 (use): seed is [0, 1], not an integer"),
+    ({"kind": "usage", "id": "a"}, "record 1: kind \"usage\" is not one of use, result, reason"),
+])
+def test_every_field_of_a_ledger_line_is_checked_in_one_line(tmp_path, line, message):
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text(json.dumps(line) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        split_ledger.read_ledger(ledger)
+    assert message in str(stop.value) and "\n" not in str(stop.value)
+
+
+def test_a_use_written_with_other_types_still_counts(tmp_path):
+    """kind "Use" and seed "0": the same key as kind "use" and seed 0, so a second evaluation is
+    refused without a reason."""
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text(json.dumps({"kind": "Use", **USE, "seed": "0", "budget": "400", "id": "a",
+                                  "reason": "first use"}) + "\n")
+    with pytest.raises(SystemExit, match="evaluated for vit_dino seed 0 at budget 400"):
+        split_ledger.record_test_use(ledger, USE)

@@ -165,15 +165,19 @@ def finished(record, evaluate, started):
             **provenance.stamp(started)}
 
 
-def ledger_use(row, args, seed, evaluation="row"):
-    """On the test phase: the ledger's line of this evaluation, appended before it starts (a second
-    use of the same row, seed and budget is refused without --reason); its id, or None on val."""
+def ledger_use(row, args, seed, evaluation="row", check_only=False):
+    """On the test phase: the ledger's line of this evaluation, appended as it is about to read the
+    first test image (a second use of the same row, seed and budget is refused without --reason;
+    check_only: refused before any training, nothing recorded); its id, or None on val."""
     if args.phase != "test":
         return None
     command = " ".join(train_command(row, args, seed)) if row != "pixels" else \
         f"python extras/experiments/compare.py --data {args.data} --phase test --rows pixels"
     use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
            "evaluation": evaluation, "command": command}
+    if check_only:
+        split_ledger.check_test_use(args.ledger, use, args.reason)
+        return None
     return split_ledger.record_test_use(args.ledger, use, args.reason)
 
 
@@ -184,11 +188,15 @@ def run_row(row, args, seed):
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase,
               "seed": seed,
               "steps": args.steps}
-    use = ledger_use(row, args, seed)
-    if use:
-        record["test_use"] = use
+    ledger_use(row, args, seed, check_only=True)
+
+    def before_test():
+        use = ledger_use(row, args, seed)
+        if use:
+            record["test_use"] = use
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
+        before_test()
         by_k = pixels_knn(data)
         by_k = {str(k): value for k, value in by_k.items()}
         record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k)
@@ -206,6 +214,7 @@ def run_row(row, args, seed):
         record["random_init"] = True
         source = " ".join(train_command(row, args, seed))
         record.update(start_of=source, network=provenance.starting_checkpoint(source, weights))
+        before_test()
         by_k = evaluate.knn(weights, random_init=True)
         record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k,
                       correspondence=evaluate.correspondence(weights, random_init=True))
@@ -227,6 +236,7 @@ def run_row(row, args, seed):
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
+    before_test()
     by_k = evaluate.knn(weights)
     record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k,
                   correspondence=evaluate.correspondence(weights), **evaluate.collapse(weights))
@@ -465,8 +475,8 @@ def main():
             record = run_row(row, args, seed)
             if args.extra:
                 record["extra"] = args.extra
-            with provenance.locked(args.log), open(args.log, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with provenance.locked(args.log):
+                provenance.append_line(args.log, record)
             if record.get("test_use"):
                 split_ledger.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN "

@@ -88,17 +88,17 @@ def run(args):
     weights = ["--pretrained_weights", str(out / "checkpoint.pth")]
     evaluation = ["eval_knn.py", *weights, *eval_data, *EVAL.split()]
     baseline = ["eval_knn.py", *weights, "--random_init", *eval_data, *EVAL.split()]
-    use = None
-    if args.phase == "test":        # the ledger's line, before the split is read
-        row = f"dino trained on {args.data}"
-        use = split_ledger.record_test_use(args.ledger, {
-            "driver": "quickstart.py", "data": args.eval_data or args.data, "row": row, "seed": 0,
-            "budget": args.steps, "evaluation": "row", "command": " ".join(["python", *train])},
-            args.reason)
+    use = {"driver": "quickstart.py", "data": args.eval_data or args.data,
+           "row": f"dino trained on {args.data}", "seed": 0, "budget": args.steps,
+           "evaluation": "row", "command": " ".join(["python", *train])}
+    if args.phase == "test":        # refused before training; recorded before the split is read
+        split_ledger.check_test_use(args.ledger, use, args.reason)
     start = time.time()
     provenance.run([sys.executable, *train], out / "train.txt")
     provenance.check_trained(train, out)
     train_seconds = round(time.time() - start, 1)
+    use = (split_ledger.record_test_use(args.ledger, use, args.reason)
+           if args.phase == "test" else None)
     raw = {}
     for key, command in (("knn", evaluation), ("random_init", baseline)):
         raw[key] = knn_line(provenance.run([sys.executable, *command],
@@ -264,8 +264,8 @@ def main():
         if "fashion_mnist_8k" in (job.data, job.eval_data):
             compare.write_fashion_mnist_8k(job.data_dir)
         record = run(job)
-        with provenance.locked(job.log), open(job.log, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with provenance.locked(job.log):
+            provenance.append_line(job.log, record)
         if record.get("test_use"):
             split_ledger.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: "

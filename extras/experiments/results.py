@@ -108,14 +108,24 @@ def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None,
     """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine). On the test
     phase its ledger line is appended first (`ledger`: the ledger's path)."""
     started = provenance.start()
-    use = ledger_use(name, extra, phase, seed, work_dir, ledger or split_ledger.LEDGER, reason)
-    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir)
-    return {**record, **({"test_use": use} if use else {}), **provenance.stamp(started)}
+    ledger = ledger or split_ledger.LEDGER
+    use = ledger_use(name, extra, phase, seed, ledger, reason, check_only=True)
+    ids = []
+
+    def before_test():
+        """Record the use as the first test image is about to be read (DRLoc: before training,
+        whose every epoch evaluates; the others: after it)."""
+        if use and not ids:
+            ids.append(ledger_use(name, extra, phase, seed, ledger, reason))
+    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
+                                          before_test)
+    return {**record, **({"test_use": ids[0]} if ids else {}), **provenance.stamp(started)}
 
 
-def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
-    """The ledger's id of a test-phase run, appended before it trains (None on val). Its budget:
-    the epochs its training command ends with (later flags win)."""
+def ledger_use(name, extra, phase, seed, ledger, reason, check_only=False):
+    """The ledger's id of a test-phase run (None on val); check_only: refuse a second use without
+    a reason, recording nothing. Its budget: the epochs its training command ends with (later
+    flags win)."""
     if phase != "test":
         return None
     script, flags = RUNS[name]
@@ -127,12 +137,18 @@ def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
         budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
     use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
            "budget": budget, "evaluation": "row", "command": command}
+    if check_only:
+        split_ledger.check_test_use(ledger, use, reason)
+        return True
     return split_ledger.record_test_use(ledger, use, reason)
 
 
-def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
+def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
+                                 before_test=lambda: None):
+    """One run's record; `before_test` is called as the evaluation split is about to be read."""
     record = {"run": name, "variant": variant, "phase": phase, "seed": seed}
     if name == "pixels":  # deterministic: the seed changes nothing
+        before_test()
         return {**record, "top1": pixels_top1(phase), "train_seconds": 0.0}
     script, flags = RUNS[name]
     split = ["--holdout", str(HOLDOUT)] if phase == "val" else []
@@ -142,6 +158,8 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
              "--output_dir", str(out)]
     # a stopped run goes on: its time would be its last process's only
     resumed = (out / "checkpoint.pth").exists()
+    if script == "drloc.py":        # its epochs end with an evaluation
+        before_test()
     start = time.time()
     provenance.run(train, out / "train.txt")
     provenance.check_trained(train, out)
@@ -160,6 +178,7 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
                   "--num_workers", "1",
                   "--resize", "32", "--crop", "32", "--pretrained_weights",
                   str(out / "checkpoint.pth"), *split]
+    before_test()
     outputs = {"eval": provenance.run(evaluation, out / "eval.txt")}
     record["top1"] = knn_top1(outputs["eval"])
     record["eval_command"] = " ".join(["python", *evaluation[1:]])
@@ -429,8 +448,8 @@ def main():
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
                                         args.work_dir, args.ledger, args.reason)
-            with provenance.locked(args.log), open(args.log, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with provenance.locked(args.log):
+                provenance.append_line(args.log, record)
             if record.get("test_use"):
                 split_ledger.record_test_result(args.ledger, record["test_use"], record["top1"])
             baseline = (f" (random init {record['random_init_top1']:.2f}%)"
