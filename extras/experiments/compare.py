@@ -72,14 +72,15 @@ import four_k  # noqa: E402
 from evaluator import (CORRESPONDENCE_IMAGES, EVAL, LINEAR, RAW_FIGURES,  # noqa: E402,F401
                        Evaluator)
 from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
-                            baseline_row, comparison_table, costs_table, differences_table,
-                            log_key, summary_table)
+                            baseline_row, comparison_table, costs_table, log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
 # the blocks of the comparison outside COMPARISON.md: the README's "Results at a glance", RESULTS.md
-SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"),
+SUMMARY_FILES = {ROOT / "README.md": ("summary", "long_glance"),
                  ROOT / "docs" / "RESULTS.md": ("summary",)}
+# the detail blocks, out of the reader's path (every generator writes its own there)
+APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"
 LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
 COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
@@ -350,24 +351,30 @@ def reproducing_commands(records):
     return compare_tables.reproducing_commands(records, defaults.curve_every, defaults.curve_seeds)
 
 
+def findings_runs(records):
+    """(data, phase, variant) of every run the documents show, test first, in the log's order."""
+    runs = {}
+    for r in records:
+        if r["row"] in METHOD_FLAGS:
+            runs.setdefault((r["data"], r["phase"], r["variant"]), r["steps"])
+    return sorted(runs, key=lambda run: (list(DATA).index(run[0]), run[1] != "test", runs[run]))
+
+
 def generated_blocks(records, ledger=None):
     """{block: markdown} of the documents, from the log's records and the test ledger (its path;
-    default: the committed one)."""
+    default: the committed one). A rerun of a setting (DINO's four k) is shown in the appendix."""
     entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
     withdrawn = compare_tables.withdrawn_table(records)
     records, relogged = compare_tables.current(records)
-    blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data,
-              (_, holdout) in DATA.items()
+    shown, again = compare_tables.split_reruns(records)
+    blocks = {f"{data}_{phase}": comparison_table(records, data, phase, entries, shown)
+              for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
-    blocks.update(summary=summary_table(records), differences=differences_table(records),
-                  costs=costs_table(records),
-                  added=compare_tables.added_table(records),
-                  **{f"differences_{data}": differences_table(records, data)
-                     for data in ("fashion_mnist_8k", "shapes")},
-                  long_budget=compare_tables.long_budget_table(records),
-                  long_glance=compare_tables.long_glance_table(records),
-                  long_budget_differences=differences_table(
-                      records, runs=compare_tables.long_runs(records)),
+    blocks.update(summary=summary_table(shown, entries), costs=costs_table(records),
+                  findings=compare_tables.findings_table(shown, findings_runs(shown)),
+                  long_budget=compare_tables.long_budget_table(shown, entries),
+                  long_glance=compare_tables.long_glance_table(shown, entries),
+                  reruns=comparison_table(records, "fashion_mnist", "test", entries, again),
                   relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
                   knn_k=four_k.knn_k_table(records),
                   knn_k_pixels=four_k.knn_k_pixels_table(records),
@@ -487,7 +494,7 @@ def main():
                   flush=True)
     if args.table:      # every block is made before any file is written
         blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
-        documents = [(COMPARISON_MD, blocks),
+        documents = [(COMPARISON_MD, blocks), (APPENDIX_MD, blocks),
                      *((path, {n: blocks[n] for n in names})
                        for path, names in SUMMARY_FILES.items())]
         texts = [path.read_text() for path, _ in documents]

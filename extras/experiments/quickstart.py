@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import claims  # noqa: E402
 import compare  # noqa: E402
 import provenance  # noqa: E402
 import split_ledger  # noqa: E402
@@ -43,7 +44,7 @@ TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_cr
          "--epochs {epochs} --max_steps_per_epoch 50 --warmup_epochs {warmup:g} "
          "--batched_crops true --num_workers 0")
 EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
-TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
+TARGETS = {"README.md": ("result",), "docs/APPENDIX.md": ("variants", "datasets")}
 LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
 # every field of a log line that the tables read: (key, kind, for which lines, optional)
 ALWAYS = provenance.always
@@ -177,23 +178,24 @@ def variants_table(records):
     return "\n".join(lines + superseded_notes(records, "val", lambda r: f"variant {r['variant']}"))
 
 
-def datasets_table(records):
+def datasets_table(records, entries):
     """The test-phase lines, and under the table the lines that a later one superseded."""
     lines = ["| data (k-NN bank and queries) | trained on | variant | 20-NN top-1 (%) | random "
              "init (%) | gain | "
-             "raw output logged | logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
+             "raw output logged | logged (UTC) | test use |", "|---" * 9 + "|"]
     for r in latest(records):
         if r["phase"] == "test":
             lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | "
                          f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
-                         f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} |")
+                         f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} | "
+                         f"{use_of(r, entries)[5:]} |")
 
     def name(r):
         return f"{r['data']} trained on {r.get('trained_on', r['data'])}"
     return "\n".join(lines + superseded_notes(records, "test", name))
 
 
-def result_line(records):
+def result_line(records, entries):
     r = next((r for r in reversed(records) if (r["data"], r.get("trained_on", r["data"]),
                                                r["phase"], r["variant"])
               == ("fashion_mnist", "fashion_mnist", "test", "quickstart")), None)
@@ -207,13 +209,24 @@ def result_line(records):
              f"{machine['load_average_end'][0]:g} at the end, "
              f"{r.get('precision')}, {r['utc']}" if isinstance(machine, dict) else
              f"{machine or 'machine not logged'}; no timestamp")
-    return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random "
-            f"initialisation ({gain(r)}), {minutes} of training ({where}).")
+    error = claims.binomial_error([r["knn_top1"], r["random_init_knn_top1"]], 10000)
+    told = claims.told([r["knn_top1"] - r["random_init_knn_top1"]], error)
+    return (f"20-NN top-1 {r['knn_top1']:.2f}% ({use_of(r, entries)}) against "
+            f"{r['random_init_knn_top1']:.2f}% at random initialisation, one seed: {told}; "
+            f"{minutes} of training ({where}).")
 
 
-def generated_blocks(records):
-    return {"result": result_line(records), "variants": variants_table(records),
-            "datasets": datasets_table(records)}
+def use_of(r, entries):
+    """Which test use of the quick start's key (data, trained on, steps) the line is."""
+    key = ("quickstart.py", r["data"], f"dino trained on {r.get('trained_on', r['data'])}", 0,
+           r["steps"], "row")
+    return "test " + split_ledger.use_note(entries, key, r, r["knn_top1"])
+
+
+def generated_blocks(records, ledger=None):
+    entries = split_ledger.read_ledger(ledger or split_ledger.LEDGER)
+    return {"result": result_line(records, entries), "variants": variants_table(records),
+            "datasets": datasets_table(records, entries)}
 
 
 def get_args_parser():
@@ -272,7 +285,7 @@ def main():
               f"20-NN {record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
               flush=True)
     if args.table:
-        blocks = generated_blocks(read_checked(args.log))
+        blocks = generated_blocks(read_checked(args.log), args.ledger)
         texts = {path: (ROOT / path).read_text() for path in TARGETS}
         for path, names in TARGETS.items():
             refreshed = results.refresh(texts[path], {n: blocks[n] for n in names},

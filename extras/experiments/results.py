@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import claims  # noqa: E402
 import common  # noqa: E402
 import provenance  # noqa: E402
 import split_ledger  # noqa: E402
@@ -41,6 +42,7 @@ from readouts import (KNN_KS, knn_top1, knn_top1_by_k, parse_collapse,  # noqa: 
                       write_fashion_mnist_8k)
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
+APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"       # the detail blocks, out of the reader's path
 COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head
@@ -202,13 +204,31 @@ def cell(values, digits=1):
     return f"{statistics.mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 
-def table(records, phase):
+def budget_of(record):
+    """The epochs a run's training command ends with (later flags win); None for the pixels."""
+    found = re.findall(r"--epochs[ =](\S+)", record.get("train_command", ""))
+    return int(float(found[-1])) if found else None
+
+
+def test_uses(rs, entries):
+    """Which test use of its run, seed and budget each seed's figure is (the ledger's count)."""
+    notes = []
+    for r in rs:
+        key = ("results.py", "fashion_mnist", r["run"], r["seed"], budget_of(r), "row")
+        notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r['top1'])}")
+    return ", ".join(notes)
+
+
+def table(records, phase, entries=None):
     """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each
-    seed's top-1 minus its own checkpoint's with --random_init, per seed in seed order; a resumed
-    run's train time "—"."""
+    seed's top-1 minus its own checkpoint's with --random_init, per seed in seed order, with the
+    rule's verdict (claims.finding); a resumed run's train time "—"; on test, which use of the
+    test split each seed's figure is."""
+    uses = entries is not None and phase == "test"
     rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) "
             "| train time (min) | "
-            "peak memory (MB) | logged (UTC) |", "|---|---|---|---|---|---|---|---|---|"]
+            "peak memory (MB) | logged (UTC) |" + (" test use (seed: use of the run's uses) |"
+                                                  if uses else ""), "|---" * (9 + uses) + "|"]
     groups = {}
     for r in records:
         if r.get("phase") == phase:
@@ -217,9 +237,10 @@ def table(records, phase):
         rs = sorted(rs, key=lambda r: r["seed"])          # per-seed figures in seed order
         top1 = [r["top1"] for r in rs]
         logged = " / ".join(sorted({r["utc"][:10] for r in rs}))
+        note = f" {test_uses(rs, entries)} |" if uses else ""
         if name == "pixels":
             pixels = f"| raw pixels | — | — | {top1[0]:.1f} |"
-            rows.append(pixels + " — |" * 4 + f" {logged} |")
+            rows.append(pixels + " — |" * 4 + f" {logged} |" + note)
             continue
         timed = all("train_seconds" in r for r in rs)                # a resumed run logs no time
         minutes = f"{statistics.mean(r['train_seconds'] for r in rs) / 60:.1f}" if timed else "—"
@@ -227,14 +248,15 @@ def table(records, phase):
             spread = statistics.stdev(top1) if len(top1) > 1 else 0.0
             rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | "
                         f"{statistics.mean(top1):.1f} ± {spread:.1f} | — | — | {minutes} | "
-                        f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+                        f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |" + note)
             continue
         random_init = [r["random_init_top1"] for r in rs]
         gains = [a - b for a, b in zip(top1, random_init)]
         per_seed = f" ({', '.join(f'{g:+.1f}' for g in gains)})" if len(gains) > 1 else ""
+        verdict = claims.finding(gains, claims.binomial_error(top1 + random_init, HOLDOUT))
         rows.append(f"| {name} | {variant} | {len(rs)} | {cell(top1)} | {cell(random_init)} | "
-                    f"{cell(gains)}{per_seed} | {minutes} | {max(r['peak_memory_mb'] for r in rs)} "
-                    f"| {logged} |")
+                    f"{cell(gains)}{per_seed}: {verdict} | {minutes} | "
+                    f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |" + note)
     return "\n".join(rows)
 
 
@@ -366,14 +388,14 @@ def generated_blocks(records, ledger=None):
     """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes
     the unstamped ones of its run, and the others are only listed (unstamped_note); the test uses
     from the ledger (its path; default: the committed one)."""
-    uses = split_ledger.ledger_table(split_ledger.read_ledger(ledger or COMMITTED_LEDGER),
-                                     {"results.py"}, "epochs")
+    entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
+    uses = split_ledger.ledger_table(entries, {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
     blocks = {"relogged": relogged_table(relogged),
               "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
     records = [r for r in records if r.get("utc")]
     for phase in ("test", "val"):
-        text = table(records, phase)
+        text = table(records, phase, entries)
         comparison = paired_difference(records, phase)
         if comparison:
             text += f"\n\nDRLoc: {comparison}."
@@ -460,11 +482,12 @@ def main():
                   f"{record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
-        markdown = RESULTS_MD.read_text()
-        refreshed = refresh(markdown, blocks)
-        RESULTS_MD.write_text(refreshed)
-        print(f"{RESULTS_MD.relative_to(ROOT)}: "
-              f"{'refreshed' if refreshed != markdown else 'already up to date'}")
+        for path in (RESULTS_MD, APPENDIX_MD):
+            markdown = path.read_text()
+            refreshed = refresh(markdown, blocks)
+            path.write_text(refreshed)
+            print(f"{path.relative_to(ROOT)}: "
+                  f"{'refreshed' if refreshed != markdown else 'already up to date'}")
 
 
 if __name__ == "__main__":

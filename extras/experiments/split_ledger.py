@@ -4,6 +4,7 @@ later wording of its reason, appended as lines of their own. Used by extras/expe
 quickstart.py (which refuse a second test use without a reason) and by their table generators."""
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -148,6 +149,48 @@ def uses_with_results(entries):
             for e in entries if e["kind"] == "use"]
 
 
+def when_used(entry):
+    """The time a use is ordered by: its start, or (a use reconstructed from the logs' history) the
+    time of the first commit that logged it, which it preceded."""
+    found = re.search(r"\((\d{4}-\d\d-\d\dT[\d:]+Z)\)", entry.get("from") or "")
+    return entry.get("started_utc") or (found.group(1) if found else "")
+
+
+def use_numbers(entries):
+    """{use id: (its number among the uses of its key in time order, the key's number of uses)}."""
+    groups = {}
+    for e in entries:
+        if e["kind"] == "use":
+            groups.setdefault(tuple(e[k] for k in LEDGER_KEY), []).append(e)
+    numbers = {}
+    for uses in groups.values():
+        for n, e in enumerate(sorted(uses, key=when_used), 1):
+            numbers[e["id"]] = (n, len(uses))
+    return numbers
+
+
+def use_of(entries, key, record, value):
+    """The ledger's use that produced a log line: its `test_use` id, else (a line logged before
+    the ledger) the reconstructed use of its key with the same result; None if neither."""
+    uses = test_uses(entries, key)
+    if any(e["id"] == record.get("test_use") for e in uses):
+        return record["test_use"]
+    same = [e for e in uses if e.get("reconstructed") and e.get("result") == value]
+    started = [e for e in same if e.get("started_utc") == record.get("started_utc")]
+    return (started or same or [{"id": None}])[0]["id"]
+
+
+def use_note(entries, key, record, value):
+    """"use 3 of 4": which test use of its key (driver, data, row, seed, budget, evaluation) a
+    shown figure is, and how many the ledger holds; "use ? of 4" where the line names none."""
+    uses = test_uses(entries, key)
+    if not uses:
+        return "no use in the ledger"
+    found = use_of(entries, key, record, value)
+    number = use_numbers(entries)[found][0] if found else "?"
+    return f"use {number} of {len(uses)}"
+
+
 def reword_reason(path, use_id, reason, why):
     """Append a new wording of a use's reason (the ledger is never rewritten): the documents
     show it; `why` says what was wrong with the first."""
@@ -169,8 +212,8 @@ def ledger_table(entries, drivers, unit):
     """The documents' count of test uses, from the ledger: per (driver, data, row, budget), each
     seed's number of test evaluations, the withdrawn ones, how many lines were reconstructed from
     the logs' history, which ran on uncommitted code or name a commit younger than their start, and
-    every reason given for a second use."""
-    groups = {}
+    the reasons given for a later use, each written once under the table (R1, R2, ...)."""
+    groups, numbered = {}, {}
     for e in uses_with_results(entries):
         if e["driver"] in drivers:
             key = (e["driver"], e["data"], e["row"], e["budget"])
@@ -186,8 +229,9 @@ def ledger_table(entries, drivers, unit):
         uses = "; ".join(f"{evaluation}: "
                          + ", ".join(f"{seed} × {n}" for seed, n in counts.items())
                          for evaluation, counts in per_seed.items())
-        reasons = sorted({e["reason"] for e in es if not e.get("reconstructed")
-                          and e["reason"] != "first use"})
+        reasons = sorted({numbered.setdefault(e["reason"], f"R{len(numbered) + 1}")
+                          for e in es if not e.get("reconstructed") and e["reason"] != "first use"},
+                         key=lambda n: int(n[1:]))
 
         def count(test):
             return str(sum(1 for e in es if test(e)))
@@ -197,5 +241,7 @@ def ledger_table(entries, drivers, unit):
                      f"{count(lambda e: uncommitted_code(e, top_level=True))}, "
                      f"{count(uncommitted_code)} | "
                      f"{count(lambda e: e.get('commit_younger_than_start'))} | "
-                     f"{'; '.join(reasons) or '—'} |")
-    return "\n".join(lines) if len(lines) > 2 else "No test evaluation is in the ledger yet."
+                     f"{', '.join(reasons) or '—'} |")
+    if len(lines) == 2:
+        return "No test evaluation is in the ledger yet."
+    return "\n".join(lines + [""] + [f"- {n}: {reason}" for reason, n in numbered.items()])
