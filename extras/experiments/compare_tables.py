@@ -264,7 +264,7 @@ def verdict_of(diffs, rs, data, key):
     return f"{statistics.mean(diffs):+.2f}: {claims.finding(diffs, error)}"
 
 
-def summary_table(records, entries, data="fashion_mnist", phase="test", variant="recipe"):
+def summary_table(records, entries=(), data="fashion_mnist", phase="test", variant="recipe"):
     """The README's glance at the comparison: per backbone and method, the 20-NN, its gain over its
     own network at random init, what it adds over DINO (20-NN / linear gain minus DINO's, with the
     rule's verdict) and which test use of its row each seed's figure is."""
@@ -327,7 +327,7 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
     return found
 
 
-def long_budget_table(records, entries, data="fashion_mnist"):
+def long_budget_table(records, entries=(), data="fashion_mnist"):
     """The rows trained longer than the shared budget's 400 steps, validation first: 20-NN and its
     gain over the row's own random init, and the 20-NN minus the raw pixels' of the same split (the
     same k-NN on the pixels of the same 32 px evaluation transform), seed by seed; on test, which
@@ -361,7 +361,7 @@ def long_budget_table(records, entries, data="fashion_mnist"):
             else f"No row longer than 400 steps on {data} is logged yet.")
 
 
-def long_glance_table(records, entries, data="fashion_mnist"):
+def long_glance_table(records, entries=(), data="fashion_mnist"):
     """The README's glance at the longer budget: each row trained past 400 steps on both splits (how
     its budget was reached: COMPARISON.md and the test ledger), with its test 20-NN, that minus
     the test split's raw pixels, and the train time of every seed that logged one."""
