@@ -55,7 +55,8 @@ def test_every_figure_of_the_hand_written_text_is_generated_or_logged(path):
 
 def test_the_rule_catches_a_typed_figure():
     """The check itself: a figure in prose that no block or log holds is found."""
-    text = "EsViT adds 0.987654 points over DINO.\n<!-- compare.py:x -->\n12.345\n<!-- /compare.py -->\n"
+    text = ("EsViT adds 0.987654 points over DINO.\n"
+            "<!-- compare.py:x -->\n12.345\n<!-- /compare.py -->\n")
     known = set(FIGURE.findall(logged_text()))
     found = [m for m in FIGURE.findall(hand_written(text)) if m not in known]
     assert found == ["0.987654"] and "12.345" not in hand_written(text)

@@ -248,7 +248,8 @@ def comparison_table(records, data, phase, entries=None, shown=None):
                          f"{cell([r['knn_top1'] for r in rs])} | {signed(knn_gain)} | "
                          f"{cell([r.get('linear_top1') for r in rs])} | {signed(linear_gain)} | "
                          f"{flip} | {overlap} | {entropy[0]} | {entropy[1]} | {minutes} | {memory} "
-                         f"| {logged_dates(rs)} |" + (f" {test_uses(rs, entries)} |" if uses else ""))
+                         f"| {logged_dates(rs)} |"
+                         + (f" {test_uses(rs, entries)} |" if uses else ""))
     if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
     return "\n".join(lines)
@@ -289,9 +290,11 @@ def summary_table(records, entries=(), data="fashion_mnist", phase="test", varia
                 continue
             gain = gains(rs, base, records)
             own = baseline_row(rs[0]["row"])
-            note = (f" (over its own random init {cell([base[(own, r['seed'])]['knn_top1'] for r in rs])})"
+            own_random = cell([base[(own, r["seed"])]["knn_top1"] for r in rs])
+            note = (f" (over its own random init {own_random})"
                     if own != f"{backbone}_random" else "")
-            untried = "" if validated(records, rs[0]["row"], variant) else " (not run on validation)"
+            untried = ("" if validated(records, rs[0]["row"], variant)
+                       else " (not run on validation)")
             added = "—"
             if rs[0]["row"] in found:
                 dino = [r for r in chosen if r["row"] == f"{backbone}_dino"]

@@ -1,7 +1,8 @@
 """The test split's ledger (docs/data/test_ledger.jsonl): every evaluation on a test split, one
 line written as it is about to read the first test image and never rewritten; its result, and any
-later wording of its reason, appended as lines of their own. Used by extras/experiments/compare.py, results.py and
-quickstart.py (which refuse a second test use without a reason) and by their table generators."""
+later wording of its reason, appended as lines of their own. Used by extras/experiments/compare.py,
+results.py and quickstart.py (which refuse a second test use without a reason) and by their table
+generators."""
 import json
 import os
 import re
