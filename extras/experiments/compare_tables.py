@@ -281,8 +281,8 @@ def summary_table(records, entries=(), data="fashion_mnist", phase="test", varia
         if not random:
             continue
         arch = f"`{flags.split()[1]}`"
-        lines.append(f"| {arch} | random init | {cell([r['knn_top1'] for r in random])} | — | — | "
-                     f"{test_uses(random, entries)} |")
+        lines.append(f"| {arch} | random init | {cell([r['knn_top1'] for r in random])} | — | "
+                     f"— | {test_uses(random, entries)} |")
         for method, rows in SUMMARY_COLUMNS.items():
             rs = sorted((r for r in chosen if r["row"] == rows.get(backbone)),
                         key=lambda r: r["seed"])
