@@ -77,10 +77,28 @@ def test_the_ledger_holds_the_past_reconstructed_and_the_withdrawn_lines():
     assert not any(r.get("withdrawn") for r in shown)  # in the log, not in the tables
     blocks = compare.generated_blocks(log)
     assert all(
-        f"| {row} | fashion_mnist | test | steps1600 | 0 | 1600 | {top1:.2f} |"
-        in blocks["withdrawn"]
+        f"| compare.py | fashion_mnist | {row} | 0 | 1600 | {top1} |" in blocks["withdrawn"]
         for row, top1 in withdrawn
     )
+    for value in (38.4, 79.2, 84.59):           # the pixel values taken out of the log: listed too
+        assert f"| pixels | 0 | 400 | {value} |" in blocks["withdrawn"]
+    assert "| results.py | fashion_mnist | pixels | 0 | — | 84.59 |" in results.generated_blocks(
+        provenance.read_log(ROOT / "docs" / "data" / "results_32px.jsonl"))["withdrawn"]
+
+
+def test_the_ledger_holds_the_uses_of_the_deleted_logs_and_their_first_commits():
+    """The 19 test evaluations of the deleted 64 px log and the quick start's two results that the
+    README published without a log line are in the ledger; a reconstructed use names the first
+    commit of its line under the log's first name (the rename to docs/data/ is no first commit)."""
+    uses = [e for e in split_ledger.read_ledger(LEDGER) if e["kind"] == "use"]
+    sixty_four = [e for e in uses if e["data"] == "fashion_mnist_64px"]
+    assert len(sixty_four) == 19 and all(e.get("withdrawn") for e in sixty_four)
+    quick = [e for e in uses if e["driver"] == "quickstart.py" and e["data"] == "fashion_mnist"
+             and e["row"] == "dino trained on fashion_mnist"]
+    assert sorted(e["result"] for e in quick) == [56.56, 56.58, 58.46, 58.54, 58.54]
+    assert not any("first in commit c3056d5" in (e.get("from") or "") for e in uses)
+    readme = (ROOT / "README.md").read_text()
+    assert "58.54% (test use 5 of 5)" in readme
 
 
 def fake_compare(monkeypatch, ledger, seen):

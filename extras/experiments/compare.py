@@ -364,7 +364,6 @@ def generated_blocks(records, ledger=None):
     """{block: markdown} of the documents, from the log's records and the test ledger (its path;
     default: the committed one). A rerun of a setting (DINO's four k) is shown in the appendix."""
     entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
-    withdrawn = compare_tables.withdrawn_table(records)
     records, relogged = compare_tables.current(records)
     shown, again = compare_tables.split_reruns(records)
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase, entries, shown)
@@ -375,7 +374,8 @@ def generated_blocks(records, ledger=None):
                   long_budget=compare_tables.long_budget_table(shown, entries),
                   long_glance=compare_tables.long_glance_table(shown, entries),
                   reruns=comparison_table(records, "fashion_mnist", "test", entries, again),
-                  relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
+                  relogged=compare_tables.relogged_table(relogged),
+                  withdrawn=split_ledger.withdrawn_table(entries, {TAG, "quickstart.py"}),
                   knn_k=four_k.knn_k_table(records),
                   knn_k_pixels=four_k.knn_k_pixels_table(records),
                   test_uses=split_ledger.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))

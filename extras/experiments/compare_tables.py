@@ -81,19 +81,6 @@ def test_uses(rs, entries, value_key="knn_top1"):
     return ", ".join(notes)
 
 
-def withdrawn_table(records):
-    """The lines taken out of the tables (restored to the log with the reason): their figures."""
-    lines = ["| row | data | phase | variant | seed | steps | 20-NN top-1 (%) | linear top-1 (%) | "
-             "logged (UTC) | why withdrawn |", "|---" * 10 + "|"]
-    for r in records:
-        if r.get("withdrawn"):
-            linear = f"{r['linear_top1']:.2f}" if r.get("linear_top1") is not None else "—"
-            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['variant']} | "
-                         f"{r['seed']} | {r['steps']} | {r['knn_top1']:.2f} | {linear} | "
-                         f"{provenance.when(r)} | {r['withdrawn']} |")
-    return "\n".join(lines) if len(lines) > 2 else "No line of the log is withdrawn."
-
-
 def relogged_table(pairs):
     """Each line logged again with its stamp: its figures then and now, now minus then, and the
     precision each trained in (a random-init row trains nothing: —)."""

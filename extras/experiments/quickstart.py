@@ -189,7 +189,7 @@ def datasets_table(records, entries):
             lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | "
                          f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
                          f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} | "
-                         f"{use_of(r, entries)[5:]} |")
+                         f"{use_of(r, entries).replace('test ', '')} |")
 
     def name(r):
         return f"{r['data']} trained on {r.get('trained_on', r['data'])}"
@@ -218,10 +218,15 @@ def result_line(records, entries):
 
 
 def use_of(r, entries):
-    """Which test use of the quick start's key (data, trained on, steps) the line is."""
-    key = ("quickstart.py", r["data"], f"dino trained on {r.get('trained_on', r['data'])}", 0,
-           r["steps"], "row")
-    return "test " + split_ledger.use_note(entries, key, r, r["knn_top1"])
+    """Which test use of the quick start (its data and the data trained on, every budget: the
+    quick start's steps changed) the line is."""
+    row = f"dino trained on {r.get('trained_on', r['data'])}"
+    key = ("quickstart.py", r["data"], row, 0, r["steps"], "row")
+    uses = sorted((e for e in entries if e["kind"] == "use" and e["driver"] == "quickstart.py"
+                   and (e["data"], e["row"]) == (r["data"], row)), key=split_ledger.when_used)
+    found = split_ledger.use_of(entries, key, r, r["knn_top1"])
+    number = [e["id"] for e in uses].index(found) + 1 if found else "?"
+    return f"test use {number} of {len(uses)}" if uses else "no test use in the ledger"
 
 
 def generated_blocks(records, ledger=None):

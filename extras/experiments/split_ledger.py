@@ -209,6 +209,20 @@ def uncommitted_code(entry, top_level=False):
                for f in entry.get("uncommitted") or [])
 
 
+def withdrawn_table(entries, drivers):
+    """Every withdrawn test use of `drivers` with its value: a result taken out of the tables (or
+    never logged) was still seen, and is listed here."""
+    lines = ["| driver | data | row | seed | budget | result | first logged or published | why "
+             "withdrawn |", "|---" * 8 + "|"]
+    for e in uses_with_results(entries):
+        if e["driver"] in drivers and e.get("withdrawn"):
+            budget = e["budget"] if e["budget"] is not None else "—"
+            lines.append(f"| {e['driver']} | {e['data']} | {e['row']} | {e['seed']} | {budget} | "
+                         f"{e['result']} | {e.get('from') or e.get('started_utc')} | "
+                         f"{e['withdrawn']} |")
+    return "\n".join(lines) if len(lines) > 2 else "No test use is withdrawn."
+
+
 def ledger_table(entries, drivers, unit):
     """The documents' count of test uses, from the ledger: per (driver, data, row, budget), each
     seed's number of test evaluations, the withdrawn ones, how many lines were reconstructed from
