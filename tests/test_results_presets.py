@@ -55,7 +55,7 @@ def test_table_reports_mean_half_range_and_gain_over_random_init_per_phase():
 
 def test_results_publish_only_stamped_lines_and_list_the_commands_that_log_the_others_again():
     """A line without a time, commit and machine (written before stamps existed) is not in any table or
-    paired comparison; its run's command, with --relog, is listed instead."""
+    paired comparison; its run's command is listed instead."""
     def line(run, seed, top1, **more):
         return {"run": run, "variant": "recipe", "phase": "test", "seed": seed, "top1": top1, "peak_memory_mb": 900,
                 "train_seconds": 60, "train_command": f"python drloc.py {results.RUNS[run][1]} --seed {seed}", **more}
@@ -65,33 +65,20 @@ def test_results_publish_only_stamped_lines_and_list_the_commands_that_log_the_o
     blocks = results.generated_blocks(records)
     assert blocks["test"].splitlines()[2:] == ["| drloc5k_vit (supervised top-1, ± std) | recipe | 1 | 59.0 ± 0.0 | — | — "
                                                 "| 1.0 | 900 | 2026-11-27 | 0: no use in the ledger |"]   # no drloc row, no paired line
-    assert "python extras/experiments/results.py --runs drloc --phase test --seeds 0 1 --relog" in blocks["unstamped"]
-    assert "python extras/experiments/results.py --runs drloc_base --phase test --seeds 0 1 --relog" in blocks["unstamped"]
+    assert "python extras/experiments/results.py --runs drloc --phase test --seeds 0 1\n" in blocks["unstamped"]
+    assert "python extras/experiments/results.py --runs drloc_base --phase test --seeds 0 1\n" in blocks["unstamped"]
     assert "drloc5k" not in blocks["unstamped"] and "drloc5k" in blocks["commands"]
     assert "41.0" not in "".join(blocks.values()) and blocks["unstamped"].startswith("4 lines")
     assert results.generated_blocks(records[4:])["unstamped"] == "Every line of the log is stamped."
 
 
-def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_replaces_them(tmp_path, monkeypatch):
-    log = tmp_path / "log.jsonl"
+def test_results_a_stamped_line_replaces_the_unstamped_ones_of_its_run():
     old = [{"run": "dino", "variant": "recipe", "phase": "test", "seed": seed, "top1": 60.0 + seed,
             "random_init_top1": 50.0, "train_seconds": 600, "peak_memory_mb": 900,
             "train_command": "python dino.py --seed 0"} for seed in (0, 1)]
-    stamped = {**old[1], "top1": 61.25, "utc": "2026-11-26T10:00:00Z"}
-    log.write_text("".join(json.dumps(r) + "\n" for r in [*old, stamped]))
-    ran = []
-
-    def fake_train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger, reason):
-        ran.append((name, seed))
-        return {**old[seed], "top1": 63.5, "random_init_top1": 50.5, "utc": "2026-11-26T11:00:00Z"}
-    monkeypatch.setattr(results, "train_and_evaluate", fake_train_and_evaluate)
-    argv = ["results.py", "--runs", "dino", "--seeds", "0", "1", "--log", str(log)]
-    monkeypatch.setattr(sys, "argv", argv)
-    results.main()                                     # every seed logged, stamped or not: nothing runs
-    monkeypatch.setattr(sys, "argv", argv + ["--relog"])
-    results.main()
-    assert ran == [("dino", 0)]                         # seed 1 was logged again already
-    blocks = results.generated_blocks(provenance.read_log(log))
+    stamped = [{**old[1], "top1": 61.25, "utc": "2026-11-26T10:00:00Z"},
+               {**old[0], "top1": 63.5, "random_init_top1": 50.5, "utc": "2026-11-26T11:00:00Z"}]
+    blocks = results.generated_blocks([*old, *stamped])
     assert blocks["relogged"].splitlines()[2:] == [
         "| dino | recipe | test | 0 | 60.00, 63.50 | +3.50 | 50.00, 50.50 | 2026-11-26 |",
         "| dino | recipe | test | 1 | 61.00, 61.25 | +0.25 | 50.00, 50.00 | 2026-11-26 |"]
@@ -160,31 +147,16 @@ def test_a_negative_seed_is_refused_before_any_run(argv, capsys):
     assert "is out of range: expected a value in [0, inf)" in capsys.readouterr().err
 
 
-def test_quickstart_relog_runs_only_unstamped_keys_again_with_their_own_flags(tmp_path, monkeypatch):
-    log = tmp_path / "quickstart.jsonl"
+def test_quickstart_a_stamped_line_replaces_the_unstamped_ones_of_its_key():
     line = {"data": "fashion_mnist", "trained_on": "fashion_mnist", "phase": "val", "steps": 250,
             "knn_top1": 56.0, "random_init_knn_top1": 52.0}
-    old = [{**line, "variant": "base", "extra": "--precision bf16"}, {**line, "variant": "lr1", "extra": "--lr 0.001"},
-           {**line, "variant": "s400", "steps": 400, "knn_top1": 59.0}]
-    stamped = {**old[1], "knn_top1": 53.5, "utc": "2026-11-26T10:00:00Z"}
-    log.write_text("".join(json.dumps(r) + "\n" for r in [*old, stamped]))
-    ran = []
-
-    def fake_run(job):
-        ran.append((job.variant, job.phase, job.steps, job.extra, job.eval_data))
-        return {**next(r for r in old if r["variant"] == job.variant), "knn_top1": 57.25, "utc": "2026-11-26T11:00:00Z"}
-    monkeypatch.setattr(quickstart, "run", fake_run)
-    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--relog", "--log", str(log)])
-    quickstart.main()
-    assert ran == [("base", "val", 250, "--precision bf16", None), ("s400", "val", 400, "", None)]
-    table = quickstart.variants_table(provenance.read_log(log))
+    old = [{**line, "variant": "base", "extra": "--precision bf16"}, {**line, "variant": "s400", "steps": 400,
+                                                                       "knn_top1": 59.0}]
+    stamped = [{**r, "knn_top1": 57.25, "utc": "2026-11-26T11:00:00Z"} for r in old]
+    table = quickstart.variants_table([*old, *stamped])
     assert "| base | 250 | `--precision bf16` | 57.25 | 52.00 | +5.25 |" in table       # the stamped line shown
     assert ("Superseded: variant s400, 59.00 against 52.00 (no timestamp): a later line has the same key; the line "
             "shown: 57.25 against 52.00, gain now minus then -1.75") in table
-    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--relog", "--log", str(log)])
-    ran.clear()
-    quickstart.main()                                    # every key stamped now: nothing runs
-    assert ran == []
 
 
 def test_drloc_comparison_is_paired_by_seed():
@@ -538,7 +510,7 @@ def test_a_command_without_a_curve_keeps_the_checkpoint_spacing_its_training_ran
 
 def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
     records = fake_comparison_records()
-    assert "No trained row" in compare.four_k.knn_k_pixels_table(records)
+    assert "No trained row" in compare.appendix.knn_k_pixels_table(records)
     pixels = {"10": 85.76, "20": 85.27, "100": 82.95, "200": 81.74}
     network = {0: {"10": 85.0, "20": 86.0, "100": 84.0, "200": 82.0},
                1: {"10": 86.5, "20": 85.5, "100": 84.5, "200": 81.5}}
@@ -546,7 +518,7 @@ def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
             {**r, "knn_top1_by_k": network[r["seed"]]} if r["row"] == "vit_dino" and r["phase"] == "test" else r
             for r in records]
     partial = {**by_k[-1], "row": "vit_esvit", "phase": "test", "knn_top1_by_k": {"20": 70.0}}
-    table = compare.four_k.knn_k_pixels_table(by_k + [partial]).splitlines()
+    table = compare.appendix.knn_k_pixels_table(by_k + [partial]).splitlines()
     assert len(table) == 3 and table[2].startswith("| vit_dino | recipe | 400 | 2 | ")
     cells = table[2].split(" | ")[4:]
     for k, text in zip(("10", "20", "100", "200"), cells):
@@ -558,7 +530,7 @@ def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
         verdict = ["no finding", "undecided", "finding"][beyond]
         assert text.rstrip(" |") == (f"{mean:+.1f} ± {spread:.1f} ({diffs[0]:+.2f}, {diffs[1]:+.2f}): {verdict}")
     assert [c.rsplit(": ", 1)[1].rstrip(" |") for c in cells] == ["no finding", "finding", "finding", "no finding"]
-    knn = compare.four_k.knn_k_table(by_k).splitlines()
+    knn = compare.appendix.knn_k_table(by_k).splitlines()
     assert knn[2].startswith("| vit_dino | fashion_mnist | test | 400 | 0 | 85.00 | 86.00 | 84.00 | 82.00 |")
     assert knn[4].startswith("| pixels | fashion_mnist | test | — | 0 | 85.76 |")
 
@@ -597,30 +569,16 @@ def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch
     assert capsys.readouterr().out.count("logged already") == 2
 
 
-def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_replaces_it(tmp_path, monkeypatch, capsys):
-    """--relog runs again only the rows whose every line lacks a timestamp; the tables, the pictures'
-    reader and the commands then see the stamped line alone, and the relogged block shows both."""
-    log = tmp_path / "log.jsonl"
+def test_a_row_logged_again_with_a_stamp_replaces_its_unstamped_line():
+    """The tables, the pictures' reader and the commands see the stamped line alone, and the
+    relogged block shows both."""
     unstamped = [r for r in fake_comparison_records() if r["phase"] == "test" and r["row"] in ("vit_dino", "vit_random")]
-    relogged_already = {**{k: v for k, v in unstamped[2].items() if k != "linear_top1"}, "knn_top1": 61.5,
-                        "utc": "2026-11-26T10:00:00Z", "precision": "bf16"}
-    log.write_text("".join(json.dumps(r) + "\n" for r in unstamped + [relogged_already]))
-    ran = []
-
-    def fake_run_row(row, args, seed):
-        ran.append((row, seed))
-        return {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
-                "steps": args.steps, "knn_top1": 64.25, "linear_top1": 69.0, "utc": "2026-11-26T11:00:00Z",
-                "precision": "bf16", "network": NETWORK, "backbone": "vit", "correspondence": unstamped[0]["correspondence"]}
-    monkeypatch.setattr(compare, "run_row", fake_run_row)
-    monkeypatch.setattr(provenance.os, "chdir", lambda path: None)
-    argv = ["compare.py", "--phase", "test", "--rows", "vit_dino", "--seeds", "0", "1", "--log", str(log)]
-    monkeypatch.setattr(sys, "argv", argv)
-    compare.main()                                      # logged, stamped or not: nothing runs
-    monkeypatch.setattr(sys, "argv", argv + ["--relog"])
-    compare.main()
-    assert ran == [("vit_dino", 0)]                     # seed 1 has a stamped line already
-    records = provenance.read_log(log)
+    again = [{**{k: v for k, v in unstamped[2].items() if k != "linear_top1"}, "knn_top1": 61.5,
+              "utc": "2026-11-26T10:00:00Z", "precision": "bf16"},
+             {**unstamped[0], "row": "vit_dino", "knn_top1": 64.25, "linear_top1": 69.0, "utc": "2026-11-26T11:00:00Z",
+              "precision": "bf16", "network": NETWORK, "backbone": "vit"}]
+    again[1] = {**next(r for r in unstamped if r["row"] == "vit_dino" and r["seed"] == 0), **again[1]}
+    records = unstamped + again
     shown, pairs = compare.compare_tables.current(records)
     assert [(r["row"], r["seed"], r["knn_top1"]) for r in shown] == [
         ("vit_random", 0, 50.0), ("vit_random", 1, 50.0), ("vit_dino", 1, 61.5), ("vit_dino", 0, 64.25)]
@@ -631,7 +589,6 @@ def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_repl
         "| 2026-11-26 |",
         "| vit_dino | fashion_mnist | test | recipe | 1 | 62.00, 61.50 | -0.50 | — | — | not logged, bf16 | 2026-11-26 |"]
     assert "| vit_dino | recipe (test only) | 400 | 2 | 62.9 ± 1.4 |" in blocks["fashion_mnist_test"]   # (61.5 + 64.25) / 2
-    assert len(curves.read_json_lines(log)) == 4                 # the curves read what the tables show
     assert compare.generated_blocks(unstamped)["relogged"].startswith("No line logged without a timestamp")
 
 

@@ -26,9 +26,7 @@ The tables refuse to pair networks whose state dicts (keys, shapes) or image tok
 pixels have a k-NN row.
 
 A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from
-its checkpoint (the method script refuses changed flags) and is logged as `resumed`, without a train
-time. With --relog a row whose lines were written before stamps existed runs again with the same
-command; its stamped line replaces them in the tables, and the `relogged` block shows both figures.
+its checkpoint (the method script refuses changed flags) and is logged as `resumed`.
 
 Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
 each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
@@ -68,11 +66,10 @@ import provenance  # noqa: E402  (this file's folder is on sys.path when it runs
 import split_ledger  # noqa: E402
 import results  # noqa: E402
 import compare_tables  # noqa: E402
-import four_k  # noqa: E402
-from evaluator import (CORRESPONDENCE_IMAGES, EVAL, LINEAR, RAW_FIGURES,  # noqa: E402,F401
-                       Evaluator)
+import appendix  # noqa: E402
+from readouts import CORRESPONDENCE_IMAGES, EVAL, LINEAR, Evaluator  # noqa: E402,F401
 from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
-                            baseline_row, comparison_table, costs_table, log_key, summary_table)
+                            baseline_row, comparison_table, log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
@@ -155,9 +152,8 @@ def train_command(row, args, seed):
     row = RANDOM_ROWS.get(row, row)
     out = row_paths(row, args, seed)[0]
     return ["python", METHOD_FLAGS[row][1], *training_flags(row, args.steps, args.curve_every),
-            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(), "--seed",
-            str(seed),
-            "--output_dir", str(out)]
+            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(),
+            "--seed", str(seed), "--output_dir", str(out)]
 
 
 def finished(record, evaluate, started):
@@ -187,8 +183,7 @@ def run_row(row, args, seed):
     record."""
     started = provenance.start()
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase,
-              "seed": seed,
-              "steps": args.steps}
+              "seed": seed, "steps": args.steps}
     ledger_use(row, args, seed, check_only=True)
 
     def before_test():
@@ -274,8 +269,7 @@ def check_kept(record, kept):
     line."""
     if not (record.get("started_utc") and record.get("utc")):
         sys.exit(f"error: the line of {record['row']} seed {record['seed']} has no times (logged "
-                 "before stamps): which run kept its checkpoints is unknown; --relog "
-                 "--curve_seeds with its seed logs it with a curve")
+                 "before stamps): which run kept its checkpoints is unknown")
     start, end = (provenance.utc_seconds(record[k]) for k in ("started_utc", "utc"))
     # a resumed run kept some before its last process
     start = 0 if record.get("resumed") else start
@@ -348,7 +342,7 @@ def pixels_knn(data):
 # ------------------------------------------------------------------------------------------------
 def reproducing_commands(records):
     defaults = get_args_parser().parse_args([])
-    return compare_tables.reproducing_commands(records, defaults.curve_every, defaults.curve_seeds)
+    return appendix.reproducing_commands(records, defaults.curve_every, defaults.curve_seeds)
 
 
 def findings_runs(records):
@@ -369,15 +363,15 @@ def generated_blocks(records, ledger=None):
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase, entries, shown)
               for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
-    blocks.update(summary=summary_table(shown, entries), costs=costs_table(records),
+    blocks.update(summary=summary_table(shown, entries), costs=appendix.costs_table(records),
                   findings=compare_tables.findings_table(shown, findings_runs(shown)),
                   long_budget=compare_tables.long_budget_table(shown, entries),
                   long_glance=compare_tables.long_glance_table(shown, entries),
                   reruns=comparison_table(records, "fashion_mnist", "test", entries, again),
-                  relogged=compare_tables.relogged_table(relogged),
+                  relogged=appendix.relogged_table(relogged),
                   withdrawn=split_ledger.withdrawn_table(entries, {TAG, "quickstart.py"}),
-                  knn_k=four_k.knn_k_table(records),
-                  knn_k_pixels=four_k.knn_k_pixels_table(records),
+                  knn_k=appendix.knn_k_table(records),
+                  knn_k_pixels=appendix.knn_k_pixels_table(records),
                   test_uses=split_ledger.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
     blocks["commands"] = (("```bash\n" + "\n".join(commands) + "\n```") if commands
@@ -414,10 +408,6 @@ def get_args_parser():
                         "--curve_every steps by the logged --rows and "
                         "--seeds that have no learning curve yet (seeds not in "
                         "--curve_seeds), into their log lines")
-    p.add_argument("--relog", action="store_true",
-                   help="run again the --rows and --seeds whose log lines have no timestamp "
-                        "(written before stamps existed): the stamped line replaces them in the "
-                        "tables, which show both figures")
     p.add_argument("--variant", default="recipe",
                    help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="",
@@ -474,8 +464,7 @@ def main():
             key = (args.data, row, args.variant, args.phase, seed)
             lines = [r for r in logged
                      if log_key(r) == key and (row != "pixels" or "knn_top1_by_k" in r)]
-            # --relog: unstamped lines only
-            if lines and (any(r.get("utc") for r in lines) or not args.relog):
+            if lines:
                 print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already",
                       flush=True)
                 continue

@@ -1,5 +1,5 @@
-"""The generated blocks of docs/COMPARISON.md, README.md and docs/RESULTS.md that are made from
-the log of extras/experiments/compare.py's controlled comparison (its rows: compare_rows.py; not a
+"""The rows of extras/experiments/compare.py's controlled comparison, and the generated blocks of
+docs/COMPARISON.md, docs/APPENDIX.md, README.md and docs/RESULTS.md made from its log (not a
 script).
 
 Every figure in a block is a logged value or is computed here from logged, unrounded values: a gain
@@ -7,11 +7,10 @@ is a row's value minus that of its own network at random initialisation (same se
 `baseline_row`), a difference between methods is the difference of their gains seed by seed; both
 are rounded only when written. A pairing of two different networks (state-dict keys and shapes, or
 image token: provenance.network_signature) is refused with one line. Lines logged before stamps
-existed are marked "no timestamp"; once their row is run again (`compare.py --relog`) the stamped
-line replaces them, and `relogged_table` sets the two side by side.
+existed are marked "no timestamp"; where their row ran again the stamped line replaces them
+(appendix.relogged_table sets the two side by side).
 """
 import json
-import re
 import statistics
 import sys
 
@@ -20,8 +19,71 @@ import provenance
 import results
 import split_ledger
 
-from compare_rows import (BACKBONES, CURVE_FIELDS, FIELDS, METHOD_FLAGS,  # noqa: F401
-                          RANDOM_ROWS, ROWS, SUMMARY_COLUMNS, always, evaluated, trained)
+# ------------------------------------------------------------------------------------------------
+# The rows: backbones, each method's own flags, the random-init rows, the summary's columns,
+# and the fields of a log line that the tables and the curves read
+# ------------------------------------------------------------------------------------------------
+BACKBONES = {"vit": "--arch vit_pico --patch_size 4", "swin": "--arch swin_pico3 --fit_window true"}
+# row: (backbone, script, the method's own flags)
+METHOD_FLAGS = {
+    "vit_dino": ("vit", "dino.py", ""),
+    "vit_selfpatch": ("vit", "selfpatch.py", "--patch_out_dim 1024"),     # K_p = K
+    "vit_esvit": ("vit", "esvit.py", "--use_region_loss true"),
+    "vit_glsd": ("vit", "glsd.py", "--local_matching geometric"),
+    "swin_dino": ("swin", "dino.py", ""),
+    "swin_esvit": ("swin", "esvit.py", "--use_region_loss true"),
+    "swin_glsd_geometric": ("swin", "glsd.py", "--local_matching geometric"),
+    "swin_glsd_similarity": ("swin", "glsd.py", "--local_matching similarity"),
+}
+# random-init row: the row whose network (at its first step) it evaluates
+RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino",
+               "vit_selfpatch_random": "vit_selfpatch"}
+ROWS = [*METHOD_FLAGS, *RANDOM_ROWS, "pixels"]
+# column: {backbone: its row}; a backbone without the method shows n/a
+SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"},
+                   "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
+                   "SelfPatch": {"vit": "vit_selfpatch"},
+                   "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
+                   "GLSD similarity": {"swin": "swin_glsd_similarity"}}
+
+
+def trained(r):
+    return r.get("row") in METHOD_FLAGS
+
+
+def evaluated(r):
+    return r.get("row") != "pixels"
+
+
+def always(r):
+    return True
+
+
+# every field of a log line that the tables and the curves read: (key, kind, for which lines,
+# optional); provenance.check_fields refuses a line without them in one line
+FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
+          ("variant", "text", always, False), ("phase", {"val", "test"}, always, False),
+          ("seed", "integer", always, False), ("steps", "integer", always, False),
+          ("knn_top1", "number", always, False), ("utc", "text", always, True),
+          ("withdrawn", "text", always, True),
+          *((f"correspondence.{p}.{k}", "number", evaluated, False)
+            for p, k in (("esvit", "top10_accuracy"), ("esvit", "accuracy"),
+                         ("overlap", "accuracy"))),
+          ("random_init", "true", lambda r: r.get("row") in RANDOM_ROWS, False),
+          ("linear_top1", "number or null", evaluated, True),
+          ("commands", "list", lambda r: trained(r) and "network" not in r, False),
+          ("network", "object", evaluated, True), ("start_of", "text", evaluated, True),
+          ("train_seconds", "number", evaluated, True),
+          ("peak_memory_mb", "number", evaluated, True),
+          ("teacher_entropy", "number", evaluated, True),
+          ("mean_target_entropy", "number", evaluated, True),
+          ("ln_k", "number", lambda r: "teacher_entropy" in r or "mean_target_entropy" in r, False),
+          ("cpu_seconds", "object", evaluated, True), ("curve", "list", trained, True),
+          ("machine", "object", lambda r: "utc" in r, True), ("extra", "text", always, True),
+          ("knn_top1_by_k", "object", always, True)]
+CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", always, False),
+                ("overlap_accuracy", "number", always, False)]
+
 
 cell = results.cell
 TAG = "compare.py"
@@ -54,7 +116,7 @@ def log_key(record):
 
 def current(records):
     """(the log's lines the tables show, [(a line without a timestamp, its row run again and
-    stamped)]): `compare.py --relog` runs the rows of such lines again with the same command."""
+    stamped)])."""
     kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
     return provenance.superseded(kept, log_key)
 
@@ -79,29 +141,6 @@ def test_uses(rs, entries, value_key="knn_top1"):
         key = (TAG, r["data"], r["row"], r["seed"], r["steps"], "row")
         notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r[value_key])}")
     return ", ".join(notes)
-
-
-def relogged_table(pairs):
-    """Each line logged again with its stamp: its figures then and now, now minus then, and the
-    precision each trained in (a random-init row trains nothing: —)."""
-    lines = ["| row | data | phase | variant | seed | 20-NN top-1 (%): then, now | now minus then "
-             "| linear top-1 (%): then, now | now minus then | precision: then, now | logged again "
-             "(UTC) |",
-             "|---" * 11 + "|"]
-    for old, new in pairs:
-        cells = []
-        for key in ("knn_top1", "linear_top1"):
-            then, now = old.get(key), new.get(key)
-            cells += [f"{then:.2f}, {now:.2f}",
-                      f"{now - then:+.2f}"] if None not in (then, now) else ["—", "—"]
-        precision = ("—" if new.get("random_init")
-                     else f"{old.get('precision', 'not logged')}, {new.get('precision')}")
-        lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | "
-                     f"{new['seed']} | "
-                     + " | ".join(cells) + f" | {precision} | {logged_dates([new])} |")
-    return "\n".join(lines) if pairs else ("No line logged without a timestamp has been run again "
-                                           "yet (`python extras/experiments/compare.py --relog "
-                                           "...`).")
 
 
 def network_of(record, records):
@@ -448,82 +487,3 @@ def findings_table(records, runs):
             lines.append(f"| {data}, {phase}, {variant} ({steps} steps){only} | {row} | {other} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines) if len(lines) > 2 else "No comparison is logged yet."
-
-
-def costs_table(records, data="fashion_mnist", phase="test"):
-    """CPU seconds of every command of a row (cpu_seconds), mean over its seeds: training per step
-    (start-up included), each evaluation, each learning-curve point."""
-    lines = ["| row | variant | seeds | training, per step | 20-NN | linear probe | correspondence "
-             "+ collapse | each learning-curve point | logged (UTC) |", "|---" * 9 + "|"]
-    groups = {}
-    for r in records:
-        if (r["data"], r["phase"]) == (data, phase) and "cpu_seconds" in r:
-            groups.setdefault((r["row"], r["variant"]), []).append(r)
-
-    def mean(rs, value):
-        values = [value(r) for r in rs]
-        return None if None in values else statistics.mean(values)
-
-    for (row, variant), rs in groups.items():
-        cpu = [r["cpu_seconds"] for r in rs]
-        columns = [mean(rs, lambda r: r["cpu_seconds"]["train"] / r["steps"]
-                        if "train" in r["cpu_seconds"] else None),
-                   mean(rs, lambda r: r["cpu_seconds"].get("knn")),
-                   mean(rs, lambda r: r["cpu_seconds"].get("linear")),
-                   mean(rs, lambda r: r["cpu_seconds"].get("correspondence", 0)
-                        + r["cpu_seconds"].get("teacher", 0)),
-                   mean([r for r in rs if r.get("curve")],
-                        lambda r: r["cpu_seconds"]["curve"] / len(r["curve"])
-                        if "curve" in r["cpu_seconds"] else None)
-                   if any(r.get("curve") for r in rs) else None]
-        text = [f"{columns[0]:.2f} s" if columns[0] is not None else "—",
-                *(f"{c:.0f} s" if c is not None else "—" for c in columns[1:])]
-        lines.append(f"| `{row}` | {variant} | {len(cpu)} | " + " | ".join(text)
-                     + f" | {logged_dates(rs)} |")
-    return ("\n".join(lines) if len(lines) > 2
-            else f"No {phase}-phase row on {data} logs its CPU seconds yet.")
-
-
-def kept_every(record):
-    """The steps between the checkpoints a row's training kept (--curve_every): its curve's first
-    step, else its training command's --saveckp_freq epochs of --max_steps_per_epoch steps."""
-    if record.get("curve"):
-        return record["curve"][0]["step"]
-    command = " ".join(record.get("commands", [])[:1])
-    found = [re.findall(rf"{flag} (\d+)", command)
-             for flag in ("--saveckp_freq", "--max_steps_per_epoch")]
-    return int(found[0][-1]) * int(found[1][-1]) if all(found) else None
-
-
-def reproducing_commands(records, curve_every_default, curve_seeds_default):
-    """One `python extras/experiments/compare.py ...` line per (data, phase, variant, steps,
-    extra), rows and seeds together."""
-    groups = {}
-    for r in records:
-        skip_linear = r["row"] != "pixels" and "linear_top1" not in r
-        key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
-        group = groups.setdefault(key, ([], set(), set(), set(), set()))
-        rows, seeds, trained_seeds, curve_seeds, curve_every = group
-        if r["row"] not in rows:
-            rows.append(r["row"])
-        seeds.add(r["seed"])
-        if r["row"] in METHOD_FLAGS:
-            trained_seeds.add(r["seed"])
-        if r.get("curve"):                    # the seeds with a learning curve
-            curve_seeds.add(r["seed"])
-        if kept_every(r):
-            curve_every.add(kept_every(r))
-    lines = []
-    for key, (rows, seeds, trained_seeds, curve_seeds, curve_every) in groups.items():
-        data, phase, variant, steps, extra, skip_linear = key
-        line = (f"python extras/experiments/compare.py --data {data} --phase {phase} "
-                f"--steps {steps} --seeds {' '.join(map(str, sorted(seeds)))} "
-                f"--rows {' '.join(rows)}")
-        if curve_every and curve_every != {curve_every_default}:
-            line += f" --curve_every {min(curve_every)}"
-        if curve_seeds != trained_seeds & set(curve_seeds_default):
-            line += " --curve_seeds" + "".join(f" {seed}" for seed in sorted(curve_seeds))
-        if skip_linear:
-            line += " --skip_linear"
-        lines.append(line + results.variant_flags(variant, extra))
-    return lines

@@ -12,7 +12,6 @@ README.md and docs/COMPARISON.md from the log. Not collected by pytest.
     # a variant
     python extras/experiments/quickstart.py --phase val --variant lr8 --steps 250 \\
         --extra "--lr 0.008"
-    python extras/experiments/quickstart.py --relog    # the lines without a stamp, again
     python extras/experiments/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
@@ -79,7 +78,7 @@ def run(args):
     name = f"{args.variant}_{args.data}_{args.phase}_{args.steps}"
     out = Path(args.work_dir) / name
     resumed = (out / "checkpoint.pth").exists() and not args.eval_data
-    if resumed and not args.relog:                  # it would log a training that did not run
+    if resumed:                  # it would log a training that did not run
         raise SystemExit(f"error: {out} already holds a trained run; train again with another "
                          "--work_dir or --variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
@@ -118,17 +117,6 @@ def run(args):
             "raw_output": raw,
             **({"resumed": True} if resumed else {}), **({"test_use": use} if use else {}),
             **provenance.stamp(started)}
-
-
-def unstamped(records):
-    """The arguments that run again each (data, trained on, phase, variant) whose lines all lack a
-    stamp."""
-    stamped = {key(r) for r in records if r.get("utc")}
-    todo = {key(r): r for r in records if key(r) not in stamped}
-    return [{"data": r.get("trained_on", r["data"]),
-             "eval_data": None if r.get("trained_on", r["data"]) == r["data"]
-             else r["data"], "phase": r["phase"], "variant": r["variant"], "steps": r["steps"],
-             "extra": r.get("extra") or ""} for r in todo.values()]
 
 
 def key(r):
@@ -250,10 +238,6 @@ def get_args_parser():
     p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
                    help="where compare.py's built datasets are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
-    p.add_argument("--relog", action="store_true",
-                   help="run again, with their own data, phase, steps, variant and flags, the "
-                        "lines of --log that have no timestamp (written before stamps existed); "
-                        "the stamped line then replaces them")
     p.add_argument("--table", action="store_true",
                    help="run nothing: rewrite the generated blocks from --log")
     split_ledger.add_ledger_args(p)
@@ -273,13 +257,7 @@ def main():
     if not args.table:
         provenance.check_log_writable(args.log)
         provenance.check_log_writable(args.ledger, what="--ledger")
-    todo = [vars(args)]
-    if args.relog:
-        todo = [{**vars(args), **line} for line in unstamped(read_checked(args.log))]
-        print(f"--relog: {len(todo)} line(s) of {args.log} without a timestamp to run again",
-              flush=True)
-    for job in todo if not args.table else []:
-        job = argparse.Namespace(**job)
+    for job in [args] if not args.table else []:
         if "fashion_mnist_8k" in (job.data, job.eval_data):
             compare.write_fashion_mnist_8k(job.data_dir)
         record = run(job)

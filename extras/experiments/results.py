@@ -45,6 +45,7 @@ RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"       # the detail blocks, out of the reader's path
 COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
 
+
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head
 # sized for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
 SSL = ("--dataset fashion_mnist --global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
@@ -357,8 +358,7 @@ def log_key(record):
 
 
 def relogged_table(pairs):
-    """Each run logged again with its stamp (--relog): its top-1 and random-init top-1 then and
-    now."""
+    """Each run logged again with its stamp: its top-1 and random-init top-1 then and now."""
     lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init "
              "(%): then, now | logged again (UTC) |", "|---" * 8 + "|"]
     for old, new in pairs:
@@ -367,21 +367,17 @@ def relogged_table(pairs):
         lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | "
                      f"{new['seed']} | {old['top1']:.2f}, {new['top1']:.2f} | "
                      f"{new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
-    return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again "
-                                           "yet (`python extras/experiments/results.py --relog "
-                                           "...`).")
+    return "\n".join(lines) if pairs else "No run logged without a timestamp has run again."
 
 
 def unstamped_note(records):
     """The lines logged before the log held a time, commit and machine: not published, their runs
-    listed with the command that logs each again (--relog)."""
+    listed with their commands."""
     if not records:
         return "Every line of the log is stamped."
-    commands = "\n".join(f"{line} --relog" for line in reproducing_commands(records))
+    commands = "\n".join(reproducing_commands(records))
     return (f"{len(records)} lines of the log were written before it held a time, commit and "
-            "machine; their figures are not published here. Each of these commands runs such "
-            "lines again, stamped, and the tables above then show "
-            f"them:\n\n```bash\n{commands}\n```")
+            f"machine; their figures are not published. Their runs:\n\n```bash\n{commands}\n```")
 
 
 def generated_blocks(records, ledger=None):
@@ -430,10 +426,6 @@ def get_args_parser():
     p.add_argument("--variant", default="recipe",
                    help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
-    p.add_argument("--relog", action="store_true",
-                   help="run again the --runs and --seeds whose log lines have no timestamp "
-                        "(written before stamps existed): the stamped line replaces them in the "
-                        "tables, which show both figures")
     p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"),
                    help="output directories of the runs")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
@@ -465,7 +457,7 @@ def main():
         for seed in args.seeds if name != "pixels" else [0]:
             key = (name, args.variant, args.phase, seed)
             # a relaunch goes on where it stopped
-            if key in logged and (logged[key] or not args.relog):
+            if key in logged:
                 print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped",
                       flush=True)
                 continue
