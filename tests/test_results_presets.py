@@ -63,7 +63,7 @@ def test_results_publish_only_stamped_lines_and_list_the_commands_that_log_the_o
     records = [line("drloc", 0, 41.0), line("drloc_base", 0, 40.0), line("drloc", 1, 42.0), line("drloc_base", 1, 40.5),
                line("drloc5k_vit", 0, 59.0, **stamp)]
     blocks = results.generated_blocks(records)
-    assert blocks["test"].splitlines()[2:] == ["| drloc5k_vit (supervised top-1, ± std) | recipe | 1 | 59.0 ± 0.0 | — | — "
+    assert blocks["test"].splitlines()[2:] == ["| drloc5k_vit (supervised top-1, ± std) | recipe (test only) | 1 | 59.0 ± 0.0 | — | — "
                                                 "| 1.0 | 900 | 2026-11-27 | 0: no use in the ledger |"]   # no drloc row, no paired line
     assert "python extras/experiments/results.py --runs drloc --phase test --seeds 0 1\n" in blocks["unstamped"]
     assert "python extras/experiments/results.py --runs drloc_base --phase test --seeds 0 1\n" in blocks["unstamped"]
@@ -82,7 +82,7 @@ def test_results_a_stamped_line_replaces_the_unstamped_ones_of_its_run():
     assert blocks["relogged"].splitlines()[2:] == [
         "| dino | recipe | test | 0 | 60.00, 63.50 | +3.50 | 50.00, 50.50 | 2026-11-26 |",
         "| dino | recipe | test | 1 | 61.00, 61.25 | +0.25 | 50.00, 50.00 | 2026-11-26 |"]
-    assert "| dino | recipe | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # the stamped lines alone
+    assert "| dino | recipe (test only) | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # stamped alone
 
 
 def test_the_drivers_read_a_relative_path_from_where_it_was_typed(tmp_path, monkeypatch):

@@ -234,9 +234,12 @@ def table(records, phase, entries=None):
     for r in records:
         if r.get("phase") == phase:
             groups.setdefault((r["run"], r.get("variant", "recipe")), []).append(r)
+    validated = {(r["run"], r.get("variant", "recipe")) for r in records if r["phase"] == "val"}
     for (name, variant), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["seed"])          # per-seed figures in seed order
         top1 = [r["top1"] for r in rs]
+        if phase == "test" and name != "pixels" and (name, variant) not in validated:
+            variant = f"{variant} (test only)"
         logged = " / ".join(sorted({r["utc"][:10] for r in rs}))
         note = f" {test_uses(rs, entries)} |" if uses else ""
         if name == "pixels":
