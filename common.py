@@ -1,15 +1,14 @@
 """Shared infrastructure of the five method files and the evaluation scripts; no method logic.
 
-It reads in three parts, by audience:
+It reads in two parts, by audience:
   Part A, what the methods compute: all that a method's model and `train_one_epoch` call (A1
     backbones, A2 the DINO head, A3 multi-crop with geometry, A4 the training step's schedules,
-    clipping, EMA, mixed precision and collectives). No argument checking inside. Speed-only code
-    (the batched tensor crops, CPU bf16 attention) stands apart at its end and says so.
-  Part B, running them plainly: B1 data, B2 processes and loaders, B3 checkpoints and resume,
-    B4 logging and the shared arguments.
-  Part C, safety checks: one run per --output_dir, start-up and resume checks, exits in one line,
-    the non-finite stop. The method files call each from one line marked `# Part C`: a fork may
-    delete Part C and those lines and still train and resume.
+    clipping, EMA, mixed precision and collectives). No argument checking inside.
+  Part B, running them plainly: B1 data, B2 processes, loaders and preemption, B3 checkpoints and
+    resume, B4 logging and the shared arguments.
+Two optional files sit beside it: `checks.py` (the safety checks, each called from one line marked
+`# checks`) and `device_crops.py` (`--batched_crops`: the crops cut on the training device). A fork
+may delete either with the lines that call it. Nothing here imports them.
 A docstring that starts with "Collective" marks a function that every process must call.
 """
 import argparse
@@ -19,11 +18,8 @@ import ctypes
 import dataclasses
 import datetime
 import errno
-import fcntl
-import functools
 import gzip
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -33,15 +29,11 @@ import pickle
 import random
 import re
 import resource
-import shutil
 import signal
 import socket
 import stat
 import sys
 import threading
-import time
-import traceback
-import warnings
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -58,7 +50,6 @@ from timm.models.cait import ClassAttn
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from torchvision import datasets as tv_datasets
-from torchvision import io as tv_io
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 from tqdm import tqdm
@@ -85,6 +76,21 @@ ARCHS = {
     "swin_small": dict(family="swin", embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
     "swin_base": dict(family="swin", embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
 }
+
+
+class Attention(TimmAttention):
+    """timm's attention, computed explicitly (timm's unfused path) on a CPU under bf16 autocast,
+    where the fused kernel's bf16 backward is much slower (docs/PERFORMANCE.md)."""
+
+    @property
+    def fused_attn(self):
+        cpu_bf16 = (torch.is_autocast_enabled("cpu")
+                    and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return self._fused_attn and not cpu_bf16
+
+    @fused_attn.setter
+    def fused_attn(self, value):
+        self._fused_attn = value
 
 
 class ViT(VisionTransformer):
@@ -465,22 +471,6 @@ def make_grad_scaler(device, precision):
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
-def is_dist():
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_rank():
-    return dist.get_rank() if is_dist() else 0
-
-
-def get_world_size():
-    return dist.get_world_size() if is_dist() else 1
-
-
-def is_main_process():
-    return get_rank() == 0
-
-
 def unwrap(model):
     """The model inside DDP's wrapper."""
     return model.module if hasattr(model, "module") else model
@@ -515,266 +505,6 @@ def average_step_stats(losses):
     return stats, preempted > 0
 
 
-# ======== Speed only: CPU bf16 attention and the batched tensor crops =============================
-# Nothing here changes what is computed beyond rounding (and nvJPEG's decoding): a fork may replace
-# `Attention` by timm's and drop `--batched_crops` (all but the plain path of `crops_on_device`).
-class Attention(TimmAttention):
-    """timm's attention, computed explicitly (timm's unfused path) on a CPU under bf16 autocast:
-    there the fused kernel's bf16 backward made vit_pico's attention 9x slower (torch 2.14)."""
-
-    @property
-    def fused_attn(self):
-        cpu_bf16 = (torch.is_autocast_enabled("cpu")
-                    and torch.get_autocast_dtype("cpu") == torch.bfloat16)
-        return self._fused_attn and not cpu_bf16
-
-    @fused_attn.setter
-    def fused_attn(self, value):
-        self._fused_attn = value
-
-
-@dataclasses.dataclass
-class UncroppedBatch:
-    """`--batched_crops`: a batch as loader workers make it (`draw_multicrop`), its crops not yet
-    cut: uint8 images [3, H, W] of any sizes (on a GPU also `EncodedJpeg` files), each view's
-    draws (plain data), the normalisation."""
-    images: list
-    views: list
-    mean: tuple
-    std: tuple
-
-    def pin_memory(self):
-        """The DataLoader pins (on a GPU) the decoded images only: the draws stay plain data, the
-        JPEG files' bytes go to nvJPEG, which reads them from the host."""
-        images = [image.pin_memory() if torch.is_tensor(image) else image for image in self.images]
-        return dataclasses.replace(self, images=images)
-
-
-def crops_on_device(views, device):
-    """A loader batch's (crops, geometry) on `device`; an `UncroppedBatch` is cut there. Its uint8
-    images, a quarter of the float32 crops' bytes (about a millisecond a batch of 64 ImageNet
-    images over PCIe), are copied on the compute stream: not worth a side stream."""
-    crops, geometry = views
-    geometry = [{k: v.to(device, non_blocking=True) for k, v in g.items()} for g in geometry]
-    if not isinstance(crops, UncroppedBatch):
-        return [c.to(device, non_blocking=True) for c in crops], geometry
-    threads = torch.get_num_threads()
-    if torch.device(device).type == "cpu":  # thousands of small operations: more threads only
-        torch.set_num_threads(1)              # add synchronisation (4x slower)
-    try:
-        return multicrop_pixels(crops, device), geometry
-    finally:
-        torch.set_num_threads(threads)
-
-
-def draw_multicrop(augment, images, seeds):
-    """The loader worker's half: (`UncroppedBatch`, geometry) of images [3, H, W] (any sizes), with
-    the PIL path's draws from each image's seed, as one dict of per-sample lists a view."""
-    draws = []
-    heights_widths = [image_size(image) for image in images]
-    for (height, width), seed in zip(heights_widths, seeds):
-        torch.default_generator.manual_seed(seed)
-        draws.append([draw_crop(height, width, scale, photometric)
-                      for _, scale, photometric in augment.plan()])
-    sizes = torch.tensor([[w, h] for h, w in heights_widths], dtype=torch.float64)  # W, H
-    width, height = sizes.unbind(1)
-    views, geometry = [], []
-    for k, (size, _, _) in enumerate(augment.plan()):
-        view = {name: [sample[k][name] for sample in draws] for name in draws[0][k]}
-        views.append(dict(view, size=size))
-        top, left, h, w = torch.tensor(view["box"], dtype=torch.float64).unbind(1)
-        box = torch.stack([left / width, top / height, w / width, h / height], 1).float()
-        geometry.append({"box": box, "flip": torch.tensor(view["flip"]),
-                         "image_size": sizes.float()})
-    return UncroppedBatch(images, views, augment.mean, augment.std), geometry
-
-
-def multicrop_pixels(batch, device):
-    """The training device's half: an `UncroppedBatch`'s crops, cut on `device` by torchvision's
-    tensor operations (an exact Gaussian for PIL's box blur). Against the PIL path's pixels: a
-    mean |difference| under 1 level of 255 (0.5 to 0.8 on 500 x 375 JPEGs), at most 32."""
-    images = images_on_device(batch.images, device)
-    mean = on_device(batch.mean, device).view(1, 3, 1, 1)
-    std = on_device(batch.std, device).view(1, 3, 1, 1)
-    crops = []
-    for view in batch.views:
-        x = torch.cat([F.interpolate(image[None, :, top:top + h, left:left + w].float(),
-                                     size=(view["size"],) * 2, mode="bicubic", antialias=True)
-                       for image, (top, left, h, w) in zip(images, view["box"])])  # levels 0..255
-        flip = on_device(view["flip"], device).view(-1, 1, 1, 1)
-        x = torch.where(flip, x.flip(-1), x).clamp(0, 255)
-        x = color_jitter(x, view["jitter"])
-        gray = on_device(view["gray"], device).view(-1, 1, 1, 1)
-        x = torch.where(gray, grayscale(x).expand_as(x), x)
-        x = gaussian_blur(x, view["blur"])
-        solarize = on_device(view["solarize"], device).view(-1, 1, 1, 1)
-        x = torch.where(solarize & (x >= 128), 255 - x, x)
-        crops.append((x.round() / 255 - mean) / std)  # 8-bit levels, as PIL's images
-    return crops
-
-
-def on_device(values, device):
-    """`values` (a list or a host tensor) on `device`, through pinned memory to a GPU: a copy from
-    pageable memory (`torch.tensor(values, device=device)`) waits for every queued kernel."""
-    values = torch.as_tensor(values)
-    pinned = values.pin_memory() if torch.device(device).type == "cuda" else values
-    return pinned.to(device, non_blocking=True)
-
-
-@dataclasses.dataclass
-class EncodedJpeg:
-    """A JPEG file read but not decoded, for the training device's decoder (nvJPEG on a GPU)."""
-    data: torch.Tensor  # the file's bytes, uint8 [n]
-    height: int  # from its header
-    width: int
-    path: str
-
-
-def image_size(image):
-    """(height, width) of a uint8 [3, H, W] image or an `EncodedJpeg`."""
-    if isinstance(image, EncodedJpeg):
-        return image.height, image.width
-    return tuple(image.shape[1:])
-
-
-def read_jpeg_or_decode(path):
-    """An image folder's loader when the device decodes (`SeededDataset.decode_jpegs_on_device`):
-    a whole (ending in its EOI marker) baseline 8-bit RGB JPEG as `EncodedJpeg`, read in about
-    0.1 ms; any other file (PNG, CMYK, grayscale, progressive) as `load_image` decodes it."""
-    with contextlib.suppress(Exception):  # unreadable: `load_image` names the file
-        data = Path(path).read_bytes()
-        with Image.open(io.BytesIO(data)) as img:  # reads the header only
-            baseline = img.format == "JPEG" and not img.info.get("progressive")
-            if baseline and img.mode == "RGB" and data.endswith(b"\xff\xd9"):
-                pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                return EncodedJpeg(pixels, img.height, img.width, str(path))
-    return load_image(path)
-
-
-def images_on_device(images, device):
-    """uint8 [3, H, W] images on `device`: tensors copied, `EncodedJpeg`s decoded there in one
-    call (batched by nvJPEG on a GPU); a file that decoder refuses is decoded by PIL, with a
-    warning naming it."""
-    jpegs = [i for i, image in enumerate(images) if isinstance(image, EncodedJpeg)]
-    out = [image if i in jpegs else image.to(device, non_blocking=True)
-           for i, image in enumerate(images)]
-    if not jpegs:
-        return out
-    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (for TorchCodec)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            decoded = tv_io.decode_jpeg([images[i].data for i in jpegs], device=device,
-                                        mode=tv_io.ImageReadMode.RGB)
-        except RuntimeError:  # one file it cannot read stops the batched call: each alone
-            decoded = [decode_jpeg_or_warn(images[i], device) for i in jpegs]
-    for i, image in zip(jpegs, decoded):
-        out[i] = image
-    return out
-
-
-def decode_jpeg_or_warn(jpeg, device):
-    """One `EncodedJpeg` decoded on `device`, or by PIL when the device's decoder refuses it."""
-    try:
-        return tv_io.decode_jpeg(jpeg.data, device=device, mode=tv_io.ImageReadMode.RGB)
-    except RuntimeError as e:
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
-        log(f"warning: {jpeg.path}: the {torch.device(device).type} JPEG decoder refused it "
-            f"({reason}); decoded on the CPU by PIL")
-        return TF.pil_to_tensor(load_image(jpeg.path)).to(device)
-
-
-def draw_crop(height, width, scale, photometric):
-    """One crop's parameters, drawn as `crop_and_flip` and the `photometric` pipeline draw them."""
-    empty = torch.empty(0, height, width)
-    box = transforms.RandomResizedCrop.get_params(empty, list(scale), [3 / 4, 4 / 3])
-    crop = dict(box=box, flip=bool(torch.rand(1).item() < 0.5), jitter=None, gray=False,
-                blur=None, solarize=False)
-    for t in photometric.transforms:
-        if isinstance(t, transforms.RandomApply):  # the colour jitter
-            if not t.p < torch.rand(1).item():
-                j = t.transforms[0]
-                order, *factors = j.get_params(j.brightness, j.contrast, j.saturation, j.hue)
-                crop["jitter"] = (order.tolist(), factors)
-        elif isinstance(t, transforms.RandomGrayscale):
-            crop["gray"] = torch.rand(1).item() < t.p
-        elif isinstance(t, RandomGaussianBlur):
-            crop["blur"] = t.draw()
-        elif isinstance(t, transforms.RandomSolarize):
-            crop["solarize"] = torch.rand(1).item() < t.p
-    return crop
-
-
-# The pixel operations of `multicrop_pixels`: float images [N, 3, h, w] of levels 0..255, on any
-# device (host data reaches it by `on_device`).
-def grayscale(x):
-    """torchvision's luma, [N, 1, h, w]."""
-    return (x * on_device([0.2989, 0.587, 0.114], x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
-
-
-def shift_hue(x, shift):
-    """torchvision's adjust_hue per sample: hue rotated by `shift` (of the circle) in HSV."""
-    maxc = x.amax(1, keepdim=True)
-    minc = x.amin(1, keepdim=True)
-    chroma = maxc - minc
-    rc, gc, bc = ((maxc - x) / torch.where(chroma > 0, chroma, 1.0)).unbind(1)
-    r = x[:, 0] == maxc[:, 0]
-    g = x[:, 1] == maxc[:, 0]
-    hue = torch.where(r, bc - gc, torch.where(g, 2 + rc - bc, 4 + gc - rc))[:, None]
-    hue = torch.remainder(hue / 6 + shift.view(-1, 1, 1, 1), 1)
-    phases = on_device([5.0, 3.0, 1.0], x.device).view(1, 3, 1, 1)
-    k = torch.remainder(phases + 6 * hue, 6)  # HSV -> RGB
-    return maxc - chroma * torch.minimum(k, 4 - k).clamp(0, 1)
-
-
-def adjust_color(x, op, f):
-    """torchvision's brightness, contrast, saturation or hue (op 0-3) by f [N, 1, 1, 1]; blends
-    truncated to levels, as PIL's."""
-    if op == 3:
-        return shift_hue(x, f)
-    if op == 0:
-        degenerate = 0.0
-    elif op == 1:
-        degenerate = grayscale(x).mean((1, 2, 3), keepdim=True)
-    else:
-        degenerate = grayscale(x)
-    return torch.floor((degenerate + f * (x - degenerate)).clamp(0, 255))
-
-
-def color_jitter(x, jitters):
-    """torchvision's ColorJitter per sample, in each sample's order with its factors (None:
-    unchanged)."""
-    factors = [j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters]
-    factors = on_device(factors, x.device)
-    for position in range(4):
-        for op in range(4):  # which samples, in plain Python: the device is never waited for
-            chosen = [i for i, j in enumerate(jitters) if j is not None and j[0][position] == op]
-            if chosen:
-                rows = on_device(chosen, x.device)
-                x[rows] = adjust_color(x[rows], op, factors[rows, op].view(-1, 1, 1, 1))
-    return x
-
-
-def gaussian_blur(x, sigmas):
-    """Gaussian blur per sample (None: none) as [N, size, size] matrices: one matmul, not a call
-    per image."""
-    blurred = [i for i, s in enumerate(sigmas) if s is not None]
-    if not blurred:
-        return x
-    sigma = on_device([sigmas[i] for i in blurred], x.device)[:, None]
-    radius = int(3 * np.float32(max(sigmas[i] for i in blurred))) + 1  # float32, as the logged runs
-    size = x.shape[-1]
-    offsets = torch.arange(-radius, radius + 1, device=x.device)
-    weights = torch.exp(-offsets ** 2 / (2 * sigma ** 2))
-    weights = weights / weights.sum(1, keepdim=True)  # [n, K]
-    source = (torch.arange(size, device=x.device)[:, None] + offsets).clamp(0, size - 1)  # [s, K]
-    m = torch.zeros(len(blurred), size, size, device=x.device).scatter_add_(
-        2, source.expand(len(blurred), -1, -1), weights[:, None].expand(-1, size, -1))[:, None]
-    rows = on_device(blurred, x.device)
-    x = x.clone()
-    x[rows] = m @ x[rows] @ m.transpose(-1, -2)
-    return x
-
-
 # ######## PART B. RUNNING THEM PLAINLY ############################################################
 def die(message):
     """Stop with a one-line error for a user mistake (no traceback from deep inside torch)."""
@@ -783,7 +513,7 @@ def die(message):
 
 # ======== B1. Data ================================================================================
 class BadImageError(RuntimeError):
-    pass
+    """An unreadable image (a loader worker's is raised again by torch, its traceback around it)."""
 
 
 def load_image(path):
@@ -809,7 +539,6 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
     SKIPPED = -1
 
     def __init__(self, root, skip_bad_images=False):
-        refuse_revisited_folders(root)
         super().__init__(root, loader=load_image, is_valid_file=self.is_image_file)
         self.skip_bad_images = skip_bad_images
         self.substitute = True
@@ -848,31 +577,12 @@ class ImageFolderSafe(tv_datasets.ImageFolder):
         raise BadImageError(f"no readable image in {self.root}")
 
 
-def refuse_revisited_folders(root):
-    """Refuse a folder reached twice (ImageFolder follows links: `class/up -> ..`)."""
-    seen = {}
-    for folder, _dirs, _files in os.walk(root, followlinks=True):
-        key = (os.stat(folder).st_dev, os.stat(folder).st_ino)
-        if key in seen:
-            die(f"{folder} leads to {seen[key]}, a folder already read: remove the link")
-        seen[key] = folder
-
-
 def skipped_images_all_ranks(dataset, device):
     """Collective: how many unreadable files the (maybe wrapped) dataset skipped, in all ranks."""
     while hasattr(dataset, "base") or hasattr(dataset, "dataset"):  # SeededDataset, Subset
         dataset = getattr(dataset, "base", None) or dataset.dataset
     count = dataset.skipped.value if hasattr(dataset, "skipped") else 0
     return int(all_reduce_sum(torch.tensor([count], device=device)).item())
-
-
-def host_decoded_images(dataset, device):
-    """Collective: {"host_decoded_images": n}, the files of all ranks that the loader workers
-    decoded as the device's decoder cannot read them; {} where the device decodes no JPEGs."""
-    if getattr(dataset, "host_decoded", None) is None:
-        return {}
-    count = torch.tensor([dataset.host_decoded.value], device=device)
-    return {"host_decoded_images": int(all_reduce_sum(count).item())}
 
 
 def read_idx(path):
@@ -1077,16 +787,13 @@ def sample_seed(*keys):
 
 class SeededDataset(torch.utils.data.Dataset):
     """`transform(base[index])` under a seed of (seed, epoch, index) only, whatever the workers,
-    processes or resumption: `make_loader` asks for `dataset[(index, epoch)]`. With `batched`, a
-    batch is its uint8 images and their draws, cut on the training device (speed only)."""
+    processes or resumption: `make_loader` asks for `dataset[(index, epoch)]`."""
 
-    def __init__(self, base, transform, seed=0, batched=False):
+    def __init__(self, base, transform, seed=0):
         self.base = base
         self.transform = transform
         self.seed = seed
         self.epoch = 0
-        self.batched = batched
-        self.host_decoded = None  # files decoded by the workers, when the device decodes JPEGs
 
     def __len__(self):
         return len(self.base)
@@ -1095,9 +802,7 @@ class SeededDataset(torch.utils.data.Dataset):
         index, epoch = index if isinstance(index, tuple) else (index, self.epoch)
         image, label = self.base[index]
         seed = sample_seed(self.seed, epoch, index)
-        if torch.utils.data.get_worker_info() is not None:  # a worker's generators are its own
-            return self.seeded_transform(image, seed), label
-        # in the main process (num_workers=0) the training loop draws too: restore the generators
+        # restored: in the main process (num_workers=0) the training loop draws from them too
         py_state = random.getstate()
         np_state = np.random.get_state()
         with torch.random.fork_rng(devices=[]):
@@ -1106,33 +811,6 @@ class SeededDataset(torch.utils.data.Dataset):
             finally:
                 random.setstate(py_state)
                 np.random.set_state(np_state)
-
-    def __getitems__(self, indices):
-        """A batch: with `batched`, ((`UncroppedBatch`, geometry), labels) for `crops_on_device`;
-        else a list of samples."""
-        if not self.batched:
-            return [self[i] for i in indices]
-        pairs = [i if isinstance(i, tuple) else (i, self.epoch) for i in indices]
-        images, labels = zip(*(self.base[i] for i, _ in pairs))
-        pixels = [TF.pil_to_tensor(image.convert("RGB")) if isinstance(image, Image.Image)
-                  else image for image in images]  # an `EncodedJpeg` is decoded on the device
-        if self.host_decoded is not None:
-            with self.host_decoded.get_lock():
-                self.host_decoded.value += sum(torch.is_tensor(image) for image in pixels)
-        seeds = [sample_seed(self.seed, epoch, index) for index, epoch in pairs]
-        in_main_process = torch.utils.data.get_worker_info() is None
-        with torch.random.fork_rng(devices=[], enabled=in_main_process):
-            return draw_multicrop(self.transform, pixels, seeds), torch.tensor(labels)
-
-    def decode_jpegs_on_device(self):
-        """`batched` on a GPU: an image folder's workers read its JPEGs, the device decodes them
-        (`images_on_device`); the files they decode themselves are counted (`host_decoded`)."""
-        folder = self.base
-        while isinstance(folder, torch.utils.data.Subset):  # --holdout
-            folder = folder.dataset
-        if self.batched and isinstance(folder, ImageFolderSafe):
-            folder.loader = read_jpeg_or_decode
-            self.host_decoded = multiprocessing.Value("l", 0)
 
     def seeded_transform(self, image, seed):
         """Seeds torch's CPU generator (not CUDA's), Python's and NumPy's."""
@@ -1152,6 +830,22 @@ def eval_transform(resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
 
 
 # ======== B2. Processes, devices, loaders and preemption signals ==================================
+def is_dist():
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank():
+    return dist.get_rank() if is_dist() else 0
+
+
+def get_world_size():
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main_process():
+    return get_rank() == 0
+
+
 def init_distributed(device="auto"):
     """The device; under torchrun (RANK set) a process group (NCCL on GPUs, else gloo)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -1196,11 +890,7 @@ def choose_precision(device):
     """What `--precision auto` runs on `device`, and why: native bf16 (GPU or CPU), else on a GPU
     fp16 with a grad scaler (as the authors train), else fp32 (emulated bf16: ~25x slower)."""
     if device.type == "cuda":
-        try:
-            native = torch.cuda.is_bf16_supported(including_emulation=False)
-        except TypeError:  # an older torch: from the compute capability
-            native = torch.cuda.get_device_capability(device) >= (8, 0)
-        if native:
+        if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16", "this GPU computes in bf16 natively"
         return "fp16", "this GPU has no native bf16: fp16 with a grad scaler, as the authors train"
     if device.type != "cpu":
@@ -1213,15 +903,16 @@ def choose_precision(device):
                     f"bf16 would make a ViT-S/16 step about 25x slower than fp32")
 
 
-def resolve_precision(args, device):
-    """`--precision auto` -> `choose_precision`'s pick, logged with its reason."""
+def resolve_precision(precision, device):
+    """(the precision to train in, whether --precision auto chose it): `choose_precision`'s pick
+    for "auto", logged with its reason."""
     choice, reason = choose_precision(device)
-    args.precision_auto = args.precision == "auto"
-    if args.precision_auto:
-        args.precision = choice
+    if precision == "auto":
         log(f"precision: {choice} (--precision auto: {reason})")
-    elif args.precision == "bf16" and device.type == "cpu" and choice != "bf16":
+        return choice, True
+    if precision == "bf16" and device.type == "cpu" and choice != "bf16":
         log(f"warning: --precision bf16: {reason}; --precision auto picks fp32 here")
+    return precision, False
 
 
 def fix_random_seeds(seed):
@@ -1265,55 +956,50 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
             f"process x {get_world_size()} processes)")
     sampler = ResumableSampler(dataset, batch_size, shuffle=train, seed=seed, drop_last=train,
                                with_epoch=isinstance(dataset, SeededDataset))
-    batched = getattr(dataset, "batched", False)
-    if batched and torch.cuda.is_initialized():  # a run on a GPU: nvJPEG decodes there
-        dataset.decode_jpegs_on_device()
-    warn_if_shared_memory_is_short(dataset, batch_size, num_workers)
     loader = PreemptibleLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        collate_fn=torch.utils.data.default_convert if batched else None,
+        collate_fn=getattr(dataset, "collate", None),  # device_crops' batches: as they are
         pin_memory=torch.cuda.is_initialized(), drop_last=train,  # pinned: a run on a GPU
         persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
         worker_init_fn=ignore_preemption_signals)
     return loader, sampler
 
 
-def warn_if_shared_memory_is_short(dataset, batch_size, num_workers):
-    """One warning line when /dev/shm, where workers leave their batches (one writing past its end
-    dies by SIGBUS), cannot hold this node's multi-crop loader queues: 2 batches a worker, and the
-    step's, of float32 crops, or with --batched_crops of uint8 images of as many pixels or so."""
-    plan = getattr(getattr(dataset, "transform", None), "plan", None)
-    if not num_workers or plan is None or not os.path.isdir("/dev/shm"):
-        return
-    pixels = sum(3 * size * size for size, _, _ in plan())
-    batches = (2 * num_workers + 1) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's
-    needed = batches * batch_size * pixels * (1 if dataset.batched else 4)
-    free = shutil.disk_usage("/dev/shm").free
-    if free < needed:
-        log(f"warning: /dev/shm has {free / 2 ** 20:.0f} MiB free, the batches of {num_workers} "
-            f"loader workers a process need about {needed / 2 ** 20:.0f} MiB: give the container "
-            f"more (docker run --shm-size={math.ceil(needed / 2 ** 30) + 1}g, or --ipc=host) or "
-            f"use fewer --num_workers")
+def crops_on_device(views, device):
+    """A loader batch's (crops, geometry) on `device`; a `device_crops` batch is cut there."""
+    crops, geometry = views
+    geometry = [{k: v.to(device, non_blocking=True) for k, v in g.items()} for g in geometry]
+    if hasattr(crops, "cut"):  # --batched_crops: uint8 images and their draws (device_crops.py)
+        return crops.cut(device), geometry
+    return [c.to(device, non_blocking=True) for c in crops], geometry
 
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_preemption_signal = None  # set by the handler that `install_preemption_handler` installs
-_loader_workers = []  # this process's loader worker processes, as `PreemptibleLoader` found them
+
+
+@dataclasses.dataclass
+class Preemption:
+    """What a preemption signal leaves for the training loop and the watchdog: a step blocked on a
+    read (a FIFO, a hung mount) must not outlast it silently (`timeout` sends no SIGKILL). 300 s
+    of grace: more than a step or a validation takes, so that a slow run still checkpoints."""
+    signal: str = None  # the name of the signal received, once one is
+    grace_seconds: float = 300.0
+    checkpoint_reached: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+preemption = Preemption()  # this process's, filled by `install_preemption_handler`
 
 
 class PreemptibleLoader(torch.utils.data.DataLoader):
     """SLURM and torchrun signal loader workers too, whose death would stop training before the
-    checkpoint: workers start with the signals blocked, then ignore them. Workers are noted."""
+    checkpoint: workers start with the signals blocked, then ignore them."""
 
     def __iter__(self):
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
         try:
-            iterator = super().__iter__()
+            return super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if self.num_workers:
-            _loader_workers[:] = [p for p in multiprocessing.active_children() if p.daemon]
-        return iterator
 
 
 def ignore_preemption_signals(_worker_id):
@@ -1326,43 +1012,29 @@ def ignore_preemption_signals(_worker_id):
 def install_preemption_handler():
     """On SIGTERM or SIGUSR1 only set a flag: the step finishes, a checkpoint is written, exit 0
     (or, past the grace period, `end_unless_checkpointed`)."""
-    global _grace_seconds
-    _grace_seconds = grace_seconds(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
+    preemption.signal = None
+    try:
+        preemption.grace_seconds = POSITIVE(os.environ.get("PREEMPTION_GRACE_SECONDS", "300"))
+    except argparse.ArgumentTypeError as e:
+        die(f"PREEMPTION_GRACE_SECONDS: {e} (seconds, 300 by default)")
 
     def handler(signum, frame):
-        global _preemption_signal
-        if _preemption_signal is None:  # the grace period starts: a checkpoint from now on ends it
-            _checkpoint_reached.clear()
+        if preemption.signal is None:  # the grace period starts: a checkpoint from now on ends it
+            preemption.checkpoint_reached.clear()
             threading.Thread(target=end_unless_checkpointed, daemon=True).start()
-        _preemption_signal = signal.Signals(signum).name
+        preemption.signal = signal.Signals(signum).name
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
-
-
-def grace_seconds(text):
-    """PREEMPTION_GRACE_SECONDS: a finite number of seconds above 0, else one line."""
-    with contextlib.suppress(ValueError):
-        if 0 < float(text) < math.inf:
-            return float(text)
-    die(f"PREEMPTION_GRACE_SECONDS={text} is not a finite number of seconds above 0; set it to "
-        f"e.g. 300 (the default), or unset it")
-
-
-# A step blocked on a read (a FIFO, a hung mount) must not outlast a preemption signal silently
-# (`timeout` sends no SIGKILL; SLURM's comes after KillWait, 30 s by default). 300 s: more than a
-# step or an epoch's validation takes, so that a run that is merely slow still checkpoints.
-_grace_seconds = 300.0
-_checkpoint_reached = threading.Event()  # set as a preempted run writes or awaits its checkpoint
 
 
 def end_unless_checkpointed():
     """After a preemption signal, in a thread: end the process in one line if the step has not
     reached the checkpoint within the grace period (the main thread may be blocked where no signal
     reaches it)."""
-    if _checkpoint_reached.wait(_grace_seconds):
+    if preemption.checkpoint_reached.wait(preemption.grace_seconds):
         return
-    message = (f"error: received {_preemption_signal}, but the step did not reach its checkpoint "
-               f"within {_grace_seconds:g} s (a read that never returns?); the last "
+    message = (f"error: received {preemption.signal}, but the step did not reach its checkpoint "
+               f"within {preemption.grace_seconds:g} s (a read that never returns?); the last "
                f"checkpoint, if any, is kept: run the same command again to resume")
     bar = bool(getattr(tqdm, "_instances", ()))  # a progress bar's line is open: end it
     print("\n" * bar + message, file=sys.stderr, flush=True)
@@ -1373,15 +1045,15 @@ def end_unless_checkpointed():
 
 def preemption_requested(device=None):
     """Whether this process received a preemption signal (tests replace it)."""
-    return _preemption_signal is not None
+    return preemption.signal is not None
 
 
-def exit_after_preemption(output_dir):
+def exit_after_preemption(output_dir, checkpoint="checkpoint.pth"):
     """Collective: say where the checkpoint is, wait for rank 0 to have written it, exit 0."""
-    _checkpoint_reached.set()
+    preemption.checkpoint_reached.set()
     close_progress_bars()
-    log(f"received {_preemption_signal or 'a preemption signal'}: checkpoint written to "
-        f"{Path(output_dir) / 'checkpoint.pth'}; run the same command again to resume")
+    log(f"received {preemption.signal or 'a preemption signal'}: checkpoint written to "
+        f"{Path(output_dir) / checkpoint}; run the same command again to resume")
     if is_dist():  # a process that exits first makes torchrun stop rank 0 in mid-write
         dist.barrier()
         dist.destroy_process_group()
@@ -1432,25 +1104,34 @@ def set_rng_state(state):
 
 
 def open_for_writing(path, mode="w"):
-    """A file opened to write ("w", "wb") or append ("a"), never through a symbolic link planted
-    in its place (O_NOFOLLOW); its folder is made if needed."""
+    """A file opened to write ("w", "wb") or append ("a"), its folder made if needed: never through
+    a symbolic link planted in its place (O_NOFOLLOW), never a FIFO, device or folder (a write
+    could block for ever or fail late)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO: no wait for a reader
     flags |= os.O_APPEND if mode.startswith("a") else os.O_TRUNC
     try:
-        return os.fdopen(os.open(path, flags, 0o644), mode)
+        fd = os.open(path, flags, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             die(f"{path} is a symbolic link: these scripts never write through one; remove it")
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # ENXIO: a FIFO that no one reads
+            die(f"{path} is not a regular file: these scripts write only regular files; remove it")
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        die(f"{path} is not a regular file: these scripts write only regular files; remove it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode)
 
 
 def save_checkpoint(state, path):
-    """Write atomically (temporary file, fsync, rename): a crash leaves the old or new file."""
+    """Write atomically (temporary file, fsync, rename): a crash leaves the old or new file, and
+    at most the temporary file, which the next save of `path` writes over (one writer a folder)."""
     path = Path(path)
-    _checkpoint_reached.set()  # a preempted step's grace period ends here
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    preemption.checkpoint_reached.set()  # a preempted step's grace period ends here
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open_for_writing(tmp, "wb") as f:
             torch.save(state, f)
@@ -1466,18 +1147,6 @@ def save_checkpoint(state, path):
     finally:
         with contextlib.suppress(OSError):  # a read-only file system: nothing to remove
             tmp.unlink(missing_ok=True)  # only left over when the write failed
-
-
-def remove_stale_temporaries(output_dir):
-    """Delete the temporary files that a killed `save_checkpoint` left (not a live process's)."""
-    for tmp in Path(output_dir).glob(".*.tmp*"):
-        try:  # the writer's pid ends the name; alive (or another user's): a save in progress
-            os.kill(int(tmp.name.rsplit(".tmp", 1)[1]), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-            log(f"removed {tmp}, left by an interrupted checkpoint write")
-        except (ValueError, PermissionError):
-            pass
 
 
 def load_checkpoint(path, what="checkpoint", remedy=""):
@@ -1552,11 +1221,8 @@ def restore(checkpoint, **objects):
 
 
 def checkpoint_to_resume(output_dir):
-    """Collective: --output_dir's checkpoint.pth, or None for a fresh start (stale temporaries
-    removed)."""
+    """Collective: --output_dir's checkpoint.pth, or None for a fresh start."""
     path = Path(output_dir) / "checkpoint.pth"
-    if is_main_process():
-        remove_stale_temporaries(output_dir)
     return agree_on_resume(path, load_checkpoint(path) if path.exists() else None)
 
 
@@ -1601,10 +1267,19 @@ def keep_log_records(path, epochs_done):
     if kept != lines:
         log(f"{path}: {len(lines) - len(kept)} line(s) dropped (cut, or of an epoch that no "
             f"checkpoint holds)")
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.tmp")
         with open_for_writing(tmp) as f:
             f.write("".join(kept))
         os.replace(tmp, path)  # atomically
+
+
+def changed_args(recorded, args, ignored):
+    """Each argument that differs from the `recorded` ones, as `--k old (now new)`."""
+    old = json.loads(json.dumps(recorded, default=str))  # tuples as lists
+    new = json.loads(json.dumps(vars(args), default=str))
+    changed = [k for k in sorted(old.keys() & new.keys()) if k not in ignored and old[k] != new[k]]
+    return [f"{old[k]} process{'es' * (old[k] != 1)} (now {new[k]}: another total batch, and peak "
+            f"lr)" if k == "world_size" else f"--{k} {old[k]} (now {new[k]})" for k in changed]
 
 
 def dataset_record(dataset):
@@ -1656,6 +1331,18 @@ def append_log(output_dir, record):
     if is_main_process():
         with open_for_writing(Path(output_dir) / "log.txt", "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def make_folder(path, flag):
+    """Create the folder that `flag` names, or stop in one line."""
+    if not str(path).strip():  # e.g. an unset shell variable: never the current folder
+        die(f"{flag} is empty; give a folder name")
+    try:
+        if Path(path).exists() and not Path(path).is_dir():
+            die(f"{flag} {path} is a file, not a folder; give a folder name")
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create {flag} {path}: {e.strerror or e}")
 
 
 def save_args(args, script):
@@ -1744,11 +1431,6 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
                    help="area range of the local crops")
     g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
     g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
-    g.add_argument("--batched_crops", default=False, type=bool_flag,
-                   help="loader workers only decode the images (on a GPU: read baseline "
-                        "JPEGs, which nvJPEG decodes there) and make the PIL path's draws; the "
-                        "training device cuts the crops with tensor operations: pixels within 1 "
-                        "level of 255 of the PIL path's on average, at most 32")
     return g
 
 
@@ -1818,293 +1500,3 @@ def run_script(main, parser, argv=None):
         dist.destroy_process_group()
 
 
-# ######## PART C. SAFETY CHECKS ###################################################################
-# Each is called from one line marked `# Part C`; without them, training and resuming still work.
-# A refusal is one line; docs/ERRORS.md gives the longer remedy.
-
-# ======== C1. One run per --output_dir ============================================================
-_claim = None  # this process's --output_dir: {"dir", "checkpoint", "fd"}
-
-
-def make_folder(path, flag):
-    """Create the folder that `flag` names, or stop in one line."""
-    if not str(path).strip():  # e.g. an unset shell variable: never the current folder
-        die(f"{flag} is empty; give a folder name")
-    try:
-        if Path(path).exists() and not Path(path).is_dir():
-            die(f"{flag} {path} is a file, not a folder; give a folder name")
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        die(f"cannot create {flag} {path}: {e.strerror or e}")
-
-
-def claim_output_dir(output_dir, script, checkpoint="checkpoint.pth"):
-    """Collective: --output_dir becomes this run's own. Rank 0 holds a `flock` on its `.lock`
-    (never deleted; the kernel frees it however the process ends); a folder whose args.json
-    names another script is refused."""
-    global _claim
-    release_output_dir()  # main() run again in this process: the previous run is over
-    _claim = {"dir": str(output_dir), "checkpoint": checkpoint, "fd": None}
-    problem = None
-    if is_main_process():
-        try:
-            make_folder(output_dir, "--output_dir")
-            _claim["fd"] = take_lock(Path(output_dir) / ".lock")
-            owner = recorded_script(output_dir)
-            if owner not in (None, script):
-                die(f"--output_dir {output_dir} holds a run of {owner}: give {script} its own")
-        except SystemExit as e:
-            problem = str(e.code)
-    problem = all_gather_objects(problem)[0]
-    if problem:
-        raise SystemExit(problem)
-
-
-def release_output_dir():
-    """Unlock --output_dir (a main() called in a process that goes on; `.lock` itself stays)."""
-    global _claim
-    if _claim is not None and _claim["fd"] is not None:
-        os.close(_claim["fd"])
-    _claim = None
-
-
-def take_lock(lock):
-    """A file descriptor that holds the lock on `lock`, which names its holder."""
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        link = " (a symbolic link)" if e.errno == errno.ELOOP else ""
-        die(f"cannot write {lock}: {e.strerror}{link}")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace") or "a run starting now"
-        os.close(fd)
-        die(f"--output_dir {lock.parent} is in use by another run ({holder}; lock {lock})")
-    except OSError as e:  # e.g. Lustre mounted without flock
-        log(f"warning: no file locks in {lock.parent} ({e.strerror}): nothing stops a second run")
-        return fd
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode(), 0)
-    return fd
-
-
-def recorded_script(output_dir):
-    """The script that args.json says wrote --output_dir (None: no args.json, or no record)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        return json.loads((Path(output_dir) / "args.json").read_text()).get("script")
-    return None
-
-
-# ======== C2. Start-up and resume checks ==========================================================
-# Arguments a resumed run may change: where and how it runs, not what it learns (and --epochs).
-RUN_ONLY_ARGS = {"output_dir", "device", "num_workers", "data_path", "skip_bad_images",
-                 "saveckp_freq", "save_every_iters", "precision", "precision_auto",
-                 "allow_changed_args", "epochs"}
-
-
-def check_start_args(args, stride=None):
-    """Refused before any data or model work: a warm-up longer than the run, crop flags (sizes in
-    tokens of --arch's stride, or of `stride` px)."""
-    if args.warmup_epochs > args.epochs:
-        die(f"--warmup_epochs {args.warmup_epochs} is longer than --epochs {args.epochs}; lower it")
-    check_scale_range("--global_crops_scale", args.global_crops_scale)
-    sizes = {"--global_crop_size": args.global_crop_size}
-    if args.local_crops_number:
-        check_scale_range("--local_crops_scale", args.local_crops_scale)
-        sizes["--local_crop_size"] = args.local_crop_size
-    stride = stride or token_stride(args.arch, args.patch_size)
-    for flag, size in sizes.items():
-        if size % stride:
-            die(f"{flag} {size} is not a multiple of the {args.arch} token stride ({stride} px); "
-                f"use e.g. {max(stride, size // stride * stride)}")
-    if sizes.get("--local_crop_size", 0) > args.global_crop_size:
-        die(f"--local_crop_size {args.local_crop_size} is larger than --global_crop_size "
-            f"{args.global_crop_size}: the local crops are the small views")
-
-
-def check_arch_flags(args):
-    """A flag that --arch ignores would be in args.json as if it had been used."""
-    vit = ARCHS[args.arch]["family"] == "vit"
-    if vit and (getattr(args, "window_size", 7) != 7 or getattr(args, "fit_window", False)):
-        die(f"{args.arch} would ignore --window_size and --fit_window (Swin flags): drop them")
-    if not vit and args.patch_size != 16:
-        die(f"{args.arch} would ignore --patch_size (a ViT flag; --arch sets Swin's): drop it")
-
-
-def check_scale_range(flag, scale):
-    """An area range (min, max) of RandomResizedCrop: reversed, torch fails in the first batch."""
-    if scale[0] > scale[1]:
-        die(f"{flag} {scale[0]} {scale[1]} is reversed: give the smallest area first")
-
-
-def check_resumed_args(ckpt, args, method, run_only=()):
-    """Refuse a flag that --arch ignores, a checkpoint of another method, or one trained with
-    arguments that change what is trained (all but `RUN_ONLY_ARGS` and `run_only`)."""
-    check_arch_flags(args)
-    args.world_size = get_world_size()  # recorded: with the batch per process, the peak lr
-    if ckpt is None:
-        return
-    path = Path(args.output_dir) / "checkpoint.pth"
-    writer = ckpt.get("method")
-    if writer != method:
-        die(f"{path} was written by {writer or 'another program'}.py, not {method}.py: give "
-            f"{method}.py its own --output_dir")
-    old = ckpt.get("args", {})
-    changed = changed_args(old, args, RUN_ONLY_ARGS | set(run_only))
-    if changed and not args.allow_changed_args:
-        die(f"{path} was trained with other arguments: {', '.join(changed)}; run with the "
-            f"checkpoint's values, another --output_dir, or --allow_changed_args")
-    if changed:
-        log(f"warning: resuming with changed arguments (--allow_changed_args): "
-            f"{', '.join(changed)}")
-    done = ckpt.get("epoch", 0)
-    step = ckpt.get("step", 0)
-    if done + bool(step) > args.epochs:
-        steps = f" and {step} steps" if step else ""
-        die(f"{path} has already trained {done} epochs{steps}, more than --epochs {args.epochs}")
-    if old.get("epochs", args.epochs) != args.epochs:
-        log(f"--epochs changed from {old['epochs']} to {args.epochs}: the schedules follow it")
-
-
-def changed_args(recorded, args, ignored):
-    """Each argument that differs from the `recorded` ones, as `--k old (now new)`."""
-    old = json.loads(json.dumps(recorded, default=str))  # tuples as lists
-    new = json.loads(json.dumps(vars(args), default=str))
-    changed = [k for k in sorted(old.keys() & new.keys()) if k not in ignored and old[k] != new[k]]
-    return [f"{old[k]} process{'es' * (old[k] != 1)} (now {new[k]}: another total batch, and peak "
-            f"lr)" if k == "world_size" else f"--{k} {old[k]} (now {new[k]})" for k in changed]
-
-
-def check_resumed_dataset(ckpt, dataset, args):
-    """Refuse another dataset; with --allow_changed_args its epoch restarts (step set to 0)."""
-    if ckpt is None or ckpt.get("dataset") in (None, dataset_record(dataset)):
-        return
-    old = ckpt["dataset"]["images"]
-    change = (f"{old} images, now {len(dataset)}" if old != len(dataset)
-              else f"{old} images as now, but other files or labels")
-    if not args.allow_changed_args:
-        die(f"{Path(args.output_dir) / 'checkpoint.pth'} was trained on another dataset "
-            f"({change})")
-    log(f"warning: resuming on another dataset ({change}; --allow_changed_args): epoch "
-        f"{ckpt['epoch']} starts again at its first batch")
-    ckpt["step"] = 0
-
-
-# ======== C3. The non-finite stop =================================================================
-def check_finite(stats, epoch, args, student, teacher, optimizer, criterion):
-    """Collective: on a loss that is not finite (in any process) rank 0 writes the step's state
-    to checkpoint_nonfinite.pth, and every process stops with advice."""
-    if math.isfinite(stats["loss"]):
-        return
-    path = Path(args.output_dir) / "checkpoint_nonfinite.pth"
-    if is_main_process():
-        state = {"student": unwrap(student), "teacher": teacher, "optimizer": optimizer,
-                 "loss": criterion}
-        save_checkpoint({**{k: v.state_dict() for k, v in state.items() if v is not None},
-                         "epoch": epoch, "args": vars(args)}, path)
-    if is_dist():  # the others wait for the file: one exiting first stops rank 0 mid-write
-        dist.barrier()
-    close_progress_bars()  # the error, not the bar, is the last line
-    log(f"error: the loss is {stats['loss']} at epoch {epoch}; debug checkpoint written to {path}."
-        f"\nLikely causes: mixed-precision overflow, a too high learning rate, or exploding "
-        f"gradients. Try --precision fp32, a lower --lr, or a lower --clip_grad.")
-    sys.exit(1)
-
-
-# ======== C4. Every way out of a script in one line ===============================================
-def one_line_exits(main):
-    """`main` with every way out in one line (also in torchrun's error file), known by the
-    exception's type: Ctrl-C, a user error (`die`), a dead loader worker, an unreadable image,
-    out of memory, another process of the run gone, a file that cannot be read or written."""
-    @functools.wraps(main)
-    def run(args):
-        _loader_workers.clear()  # an earlier run's workers in this process are not this run's
-        try:
-            return main(args)
-        except KeyboardInterrupt:
-            where = last_checkpoint()
-            resume = "; run the same command again to resume" if ": " in where else ""
-            message = f"interrupted (Ctrl-C){where}{resume}"
-            close_progress_bars()
-            report_to_torchrun(message)
-            print(message, file=sys.stderr, flush=True)
-            raise SystemExit(130) from None  # 128 + SIGINT, the shell's code for Ctrl-C
-        except SystemExit as e:
-            if isinstance(e.code, str):  # die(): a user error
-                report_to_torchrun(e.code)
-            raise
-        except Exception as e:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise again
-            message = explain(e, args)
-            if message is None:
-                raise
-            close_progress_bars(end_line=True)  # the error starts a line
-            report_to_torchrun(message)
-            raise SystemExit(message) from None
-        finally:
-            release_output_dir()
-    return run
-
-
-def explain(e, args):
-    """The one line for an exception of a known kind, else None (its traceback stays)."""
-    where = last_checkpoint()
-    worker = dead_loader_worker(wait=isinstance(e, (RuntimeError, OSError, EOFError)))
-    if worker:  # the steps since the last checkpoint are lost
-        cause = ("a full /dev/shm: run the container with a larger --shm-size or --ipc=host"
-                 if worker.endswith("SIGBUS") else "the kernel's out-of-memory killer")
-        return (f"error: a data loader worker {worker} (most likely {cause}; its own error, if "
-                f"any, is above){where}; run the same command with fewer --num_workers (now "
-                f"{getattr(args, 'num_workers', '?')}) to resume")
-    if isinstance(e, BadImageError):  # torch raises it again in this process: its last line
-        return "error: " + str(e).strip().splitlines()[-1].split("BadImageError: ")[-1]
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
-        return (f"error: out of memory ({reason}){where}; lower --batch_size_per_gpu (now "
-                f"{getattr(args, 'batch_size_per_gpu', '?')}) or the crop and image sizes")
-    if is_dist() and (isinstance(e, dist.DistError) or raised_in_a_collective(e)):
-        return f"error: process {get_rank()} stops because another process of this run has stopped"
-    if isinstance(e, OSError) and e.filename:
-        return f"error: cannot use {e.filename}: {e.strerror or e}{where}"
-    return None
-
-
-def raised_in_a_collective(e):
-    """Whether `e` comes from inside torch.distributed (gloo reports a peer that has exited as a
-    plain RuntimeError): told by where it was raised, not by its text."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
-
-
-def dead_loader_worker(wait=False):
-    """'(pid N) was killed by SIGKILL' for a loader worker that died, else ''. With `wait`, up
-    to a second: a dead worker's broken pipe can reach this process before its exit code."""
-    for _ in range(20 if wait and _loader_workers else 1):
-        for worker in _loader_workers:
-            code = worker.exitcode
-            if code is not None and code < 0:
-                return f"(pid {worker.pid}) was killed by {signal.Signals(-code).name}"
-            if code:
-                return f"(pid {worker.pid}) exited with code {code}"
-        time.sleep(0.05 if wait else 0)
-    return ""
-
-
-def last_checkpoint():
-    """Where an interrupted run's checkpoint is ('' for a script without one)."""
-    if _claim is None or not _claim["checkpoint"]:
-        return ""
-    path = Path(_claim["dir"]) / _claim["checkpoint"]
-    if not path.exists():
-        return f" before the first checkpoint ({path}) was written"
-    return f": the last checkpoint is {path}"
-
-
-def report_to_torchrun(message):
-    """`message` in torchrun's error file, as elastic's `record` would write it."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        with contextlib.suppress(OSError), open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": info}}, f)

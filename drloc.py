@@ -79,6 +79,7 @@ from timm.data import Mixup, create_transform
 from timm.loss import SoftTargetCrossEntropy
 from timm.models import swin_transformer, vision_transformer
 
+import checks
 import common
 
 
@@ -479,7 +480,7 @@ def train_one_epoch(model, criterion, loader, optimizer, scaler, mixup, schedule
             losses = criterion(outputs, labels, lambda_drloc)
         loss = losses["loss"]
         stats, preempted = common.average_step_stats(losses)  # the step's one host sync
-        common.check_finite(stats, epoch, args, model, None, optimizer, criterion)  # Part C
+        checks.check_finite(stats, epoch, args, model, None, optimizer, criterion)  # checks
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -536,17 +537,17 @@ def validate(model, loader, device, args):
 # ================================================================================================
 # main
 # ================================================================================================
-@common.one_line_exits  # Part C
+@checks.one_line_exits  # checks
 def main(args):
     device = common.init_distributed(args.device)
-    common.resolve_precision(args, device)
+    args.precision, args.precision_auto = common.resolve_precision(args.precision, device)
     common.install_preemption_handler()
-    # as Swin's code: Mixup / CutMix and drop path draw per process
-    common.fix_random_seeds(args.seed + common.get_rank())
-    check_args(args)  # Part C
-    common.claim_output_dir(args.output_dir, "drloc.py")  # Part C
+    common.fix_random_seeds(args.seed + common.get_rank())  # Swin's: Mixup, drop path per process
+    check_args(args)  # checks
+    checks.claim_output_dir(args.output_dir, "drloc.py")  # checks
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
-    common.check_resumed_args(ckpt, args, "drloc", run_only=["val_subset"])  # Part C
+    args.world_size = common.get_world_size()  # recorded: with the batch, the peak lr
+    checks.check_resumed_args(ckpt, args, "drloc", run_only=["val_subset"])  # checks
     if ckpt is None and args.pretrained and not Path(args.pretrained).is_file():  # before any work
         common.die(f"--pretrained {args.pretrained} is not a file")
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
@@ -597,7 +598,7 @@ def main(args):
     }
 
     ckpt_path = Path(args.output_dir) / "checkpoint.pth"  # resumed from, if it exists
-    common.check_resumed_dataset(ckpt, dataset, args)  # Part C
+    checks.check_resumed_dataset(ckpt, dataset, args)  # checks
     start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
         common.restore(ckpt, model=model, optimizer=optimizer, scaler=scaler, drloc_loss=criterion)

@@ -62,7 +62,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checks
 import common
+import device_crops
 
 
 # ================================================================================================
@@ -124,6 +126,7 @@ def get_args_parser():
                    help="adamw (ViT) or sgd")
 
     common.add_multicrop_args(p)
+    device_crops.add_args(p)  # device_crops
     common.add_data_args(p)
     common.add_run_args(p, saveckp_freq=20)
     return p
@@ -301,7 +304,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         losses = criterion(student_output, teacher_output, step)  # float32: outside autocast
         loss = losses["loss"]
         stats, preempted = common.average_step_stats(losses)  # the step's one host sync
-        common.check_finite(stats, epoch, args, student, teacher, optimizer, criterion)  # Part C
+        checks.check_finite(stats, epoch, args, student, teacher, optimizer, criterion)  # checks
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -339,16 +342,17 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
 # ================================================================================================
 # main
 # ================================================================================================
-@common.one_line_exits  # Part C
+@checks.one_line_exits  # checks
 def main(args):
     device = common.init_distributed(args.device)
-    common.resolve_precision(args, device)
+    args.precision, args.precision_auto = common.resolve_precision(args.precision, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.check_start_args(args)  # Part C
-    common.claim_output_dir(args.output_dir, "esvit.py")  # Part C
+    checks.check_start_args(args)  # checks
+    checks.claim_output_dir(args.output_dir, "esvit.py")  # checks
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
-    common.check_resumed_args(ckpt, args, "esvit")  # Part C
+    args.world_size = common.get_world_size()  # recorded: with the batch, the peak lr
+    checks.check_resumed_args(ckpt, args, "esvit")  # checks
     # refused before any data or model work
     if ckpt is None and args.init_from and not Path(args.init_from).is_file():
         common.die(f"--init_from {args.init_from} is not a file")
@@ -358,8 +362,9 @@ def main(args):
     augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale,
                                            args.local_crops_number, args.global_crop_size,
                                            args.local_crop_size)
-    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed,
-                                   batched=args.batched_crops)
+    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed)
+    if args.batched_crops:  # device_crops: the crops are cut on the training device
+        dataset = device_crops.BatchedCrops(dataset, device)  # device_crops
     loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
                                          train=True, seed=args.seed)
     common.log(f"data: {len(dataset)} images, {len(loader)} steps per epoch")
@@ -401,7 +406,7 @@ def main(args):
     # ---- resume from output_dir/checkpoint.pth if it exists, else continue a view-only run
     # (--init_from)
     ckpt_path = Path(args.output_dir) / "checkpoint.pth"
-    common.check_resumed_dataset(ckpt, dataset, args)  # Part C
+    checks.check_resumed_dataset(ckpt, dataset, args)  # checks
     start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler,
@@ -428,7 +433,7 @@ def main(args):
                                  epoch, start_step, args, device)
         start_step = 0
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)  # all ranks
-        record.update(common.host_decoded_images(dataset, device))  # with nvJPEG: all ranks
+        record.update(device_crops.host_decoded_images(dataset, device))  # device_crops
         common.append_log(args.output_dir, record)  # before the checkpoint
         save_checkpoints(student, teacher, optimizer, scaler, criterion,
                          epoch + 1, 0, args, dataset)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checks
 import common
 
 
@@ -501,7 +502,7 @@ def check_nb_knn(nb_knn, n_train):
                    f"pass smaller values, e.g. --nb_knn {min(20, n_train)}")
 
 
-@common.one_line_exits  # Part C
+@checks.one_line_exits  # checks
 def main(args):
     """Returns {k: (top1, top5)} on the main process, None on the others."""
     device = common.init_distributed(args.device)
@@ -516,6 +517,7 @@ def main(args):
         model, info = load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,
                                     args.patch_size, args.window_size, args.random_init, args.crop)
         model.to(device)
+        checks.check_data_path(args)  # checks
         transform = common.eval_transform(args.resize, args.crop)
         # test labels numbered as train's classes
         train_set, test_set = common.build_eval_splits(args)

@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision import transforms
 
+import checks
 import common
 import eval_knn
 
@@ -359,7 +360,7 @@ def check_own_folder(args):
 # ================================================================================================
 # main
 # ================================================================================================
-@common.one_line_exits  # Part C
+@checks.one_line_exits  # checks
 def main(args):
     """Returns the best validation top-1 (%)."""
     device = common.init_distributed(args.device)
@@ -374,7 +375,7 @@ def main(args):
                                          args.crop)
     identity = weights_identity(model, args)
     # the weights are readable: the folder becomes this run's (a refused command makes none)
-    common.claim_output_dir(args.output_dir, "eval_linear.py", "linear_checkpoint.pth")  # Part C
+    checks.claim_output_dir(args.output_dir, "eval_linear.py", "linear_checkpoint.pth")  # checks
 
     # ---- a probe to resume from output_dir/linear_checkpoint.pth: refused before any data work if
     # it is another's
@@ -395,6 +396,7 @@ def main(args):
                              args).shape[1]
 
     # ---- data: augmentations depend only on (seed, epoch, index)
+    checks.check_data_path(args)  # checks
     train_set, val_set = common.build_eval_splits(args)  # val labels numbered as train's classes
     num_labels = count_labels(train_set, args)
     data = {"train": common.dataset_record(train_set), "validation": common.dataset_record(val_set)}

@@ -67,7 +67,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checks
 import common
+import device_crops
 
 
 # ================================================================================================
@@ -131,6 +133,7 @@ def get_args_parser():
                    help="adamw (ViT) or sgd")
 
     common.add_multicrop_args(p)
+    device_crops.add_args(p)  # device_crops
     common.add_data_args(p)
     common.add_run_args(p, saveckp_freq=20)
     return p
@@ -358,7 +361,7 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
         losses = criterion(student_output, teacher_output, step, geometry)  # float32: no autocast
         loss = losses["loss"]
         stats, preempted = common.average_step_stats(losses)  # the step's one host sync
-        common.check_finite(stats, epoch, args, student, teacher, optimizer, criterion)  # Part C
+        checks.check_finite(stats, epoch, args, student, teacher, optimizer, criterion)  # checks
 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -396,24 +399,26 @@ def train_one_epoch(student, teacher, criterion, loader, optimizer, scaler, sche
 # ================================================================================================
 # main
 # ================================================================================================
-@common.one_line_exits  # Part C
+@checks.one_line_exits  # checks
 def main(args):
     device = common.init_distributed(args.device)
-    common.resolve_precision(args, device)
+    args.precision, args.precision_auto = common.resolve_precision(args.precision, device)
     common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
-    common.check_start_args(args)  # Part C
-    common.claim_output_dir(args.output_dir, "glsd.py")  # Part C
+    checks.check_start_args(args)  # checks
+    checks.claim_output_dir(args.output_dir, "glsd.py")  # checks
     ckpt = common.checkpoint_to_resume(args.output_dir)  # None: a fresh start
-    common.check_resumed_args(ckpt, args, "glsd")  # Part C
+    args.world_size = common.get_world_size()  # recorded: with the batch, the peak lr
+    checks.check_resumed_args(ckpt, args, "glsd")  # checks
     common.log("\n".join(f"{k}: {v}" for k, v in sorted(vars(args).items())))
 
     # ---- data: every sample's crops depend only on (seed, epoch, index)
     augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale,
                                            args.local_crops_number, args.global_crop_size,
                                            args.local_crop_size)
-    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed,
-                                   batched=args.batched_crops)
+    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed)
+    if args.batched_crops:  # device_crops: the crops are cut on the training device
+        dataset = device_crops.BatchedCrops(dataset, device)  # device_crops
     loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
                                          train=True, seed=args.seed)
     common.log(f"data: {len(dataset)} images, {len(loader)} steps per epoch")
@@ -454,7 +459,7 @@ def main(args):
 
     # ---- resume from output_dir/checkpoint.pth when it exists
     ckpt_path = Path(args.output_dir) / "checkpoint.pth"
-    common.check_resumed_dataset(ckpt, dataset, args)  # Part C
+    checks.check_resumed_dataset(ckpt, dataset, args)  # checks
     start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     if ckpt is not None:
         common.restore(ckpt, student=student, teacher=teacher, optimizer=optimizer, scaler=scaler,
@@ -473,7 +478,7 @@ def main(args):
                                  epoch, start_step, args, device)
         start_step = 0
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)  # all ranks
-        record.update(common.host_decoded_images(dataset, device))  # with nvJPEG: all ranks
+        record.update(device_crops.host_decoded_images(dataset, device))  # device_crops
         common.append_log(args.output_dir, record)  # before the checkpoint
         save_checkpoints(student, teacher, optimizer, scaler, criterion,
                          epoch + 1, 0, args, dataset)

@@ -134,7 +134,7 @@ def run_here(script, *args, merge=False):
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        common._preemption_signal = None
+        common.preemption.signal = None
     stderr = "" if merge else err.getvalue()
     return subprocess.CompletedProcess([script, *args], code, out.getvalue(), stderr)
 
@@ -168,7 +168,7 @@ def stop_at_check(monkeypatch, n):
     def preemption_requested(device):
         calls[0] += 1
         if calls[0] == n:
-            common._preemption_signal = "SIGTERM (simulated)"
+            common.preemption.signal = "SIGTERM (simulated)"
         return real(device)
     monkeypatch.setattr(common, "preemption_requested", preemption_requested)
 

@@ -17,6 +17,7 @@ from torchvision.transforms import functional as TF
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import device_crops  # noqa: E402
 
 class ColourImages(torch.utils.data.Dataset):
     """28 x 28 RGB images with smooth colour fields and sharp edges (so that hue, saturation,
@@ -57,8 +58,8 @@ def both_paths(n=24, seed=5, epoch=2):
     """The PIL path's batch and the batched path's, its crops cut on the CPU, of MixedSizes."""
     base, augment = MixedSizes(n), augmentation()
     indices = [(i, epoch) for i in range(n)]
-    pil = common.SeededDataset(base, augment, seed=seed).__getitems__(indices)
-    batched = common.SeededDataset(base, augment, seed=seed, batched=True)
+    pil = [common.SeededDataset(base, augment, seed=seed)[i] for i in indices]
+    batched = device_crops.BatchedCrops(common.SeededDataset(base, augment, seed=seed), "cpu")
     views, labels = batched.__getitems__(indices)
     return torch.utils.data.default_collate(pil), (common.crops_on_device(views, "cpu"), labels)
 
@@ -91,7 +92,7 @@ def test_batched_draws_consume_the_generator_as_the_pil_path():
         after_pil = torch.get_rng_state()
         torch.manual_seed(seed)
         for _, scale, photometric in augment.plan():
-            common.draw_crop(28, 28, scale, photometric)
+            device_crops.draw_crop(28, 28, scale, photometric)
         assert torch.equal(torch.get_rng_state(), after_pil), seed
 
 
@@ -115,7 +116,7 @@ def test_the_device_half_on_a_cpu_is_bit_for_bit_the_logged_runs_batched_crops()
     whose 10 views flip, jitter, turn grey, blur and solarize. The two halves (`draw_multicrop`,
     then `crops_on_device`) give them bit for bit."""
     golden = torch.load(ROOT / "tests" / "data" / "batched_crops_golden.pt")
-    batch = common.draw_multicrop(augmentation(), golden["images"], golden["seeds"])
+    batch = device_crops.draw_multicrop(augmentation(), golden["images"], golden["seeds"])
     crops, geometry = common.crops_on_device(batch, "cpu")
     for ours, theirs in zip(crops, golden["crops"], strict=True):
         assert torch.equal(ours, theirs)
@@ -126,7 +127,7 @@ def test_the_device_half_on_a_cpu_is_bit_for_bit_the_logged_runs_batched_crops()
 def six_samples():
     """A batched path's batch of 6 MixedSizes, (`UncroppedBatch`, geometry), some of its crops
     jittered and some blurred."""
-    dataset = common.SeededDataset(MixedSizes(6), augmentation(), batched=True)
+    dataset = device_crops.BatchedCrops(common.SeededDataset(MixedSizes(6), augmentation()), "cpu")
     views, _labels = dataset.__getitems__(range(6))
     assert any(j is not None for view in views[0].views for j in view["jitter"])
     assert any(b is not None for view in views[0].views for b in view["blur"])
@@ -166,25 +167,27 @@ def test_each_colour_operation_is_torchvisions(op):
     factors = [0.6, 1.4] if op < 3 else [-0.1, 0.07]
     tv_op = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue][op]
     theirs = torch.cat([tv_op(x[i:i + 1], f) for i, f in enumerate(factors)]) * 255
-    ours = common.adjust_color(x * 255, op, torch.tensor(factors).view(-1, 1, 1, 1))
+    ours = device_crops.adjust_color(x * 255, op, torch.tensor(factors).view(-1, 1, 1, 1))
     assert (ours - theirs).abs().max() <= (1 if op < 3 else 1e-3), op
-    assert torch.equal(common.color_jitter(x.clone(), [None, None]), x)
+    assert torch.equal(device_crops.color_jitter(x.clone(), [None, None]), x)
 
 
 def test_grayscale_solarize_and_blur():
     image = ColourImages(1)[0][0].resize((32, 32), Image.BICUBIC)
     x = as_float(image) * 255
-    assert torch.allclose(common.grayscale(x), TF.rgb_to_grayscale(x / 255) * 255, atol=1e-3)
+    assert torch.allclose(device_crops.grayscale(x), TF.rgb_to_grayscale(x / 255) * 255, atol=1e-3)
     for radius in (0.02, 0.3, 1.0, 2.0):  # PIL approximates the Gaussian by three box blurs
         theirs = as_float(image.filter(ImageFilter.GaussianBlur(radius))) * 255
-        ours = common.gaussian_blur(x, [radius])
+        ours = device_crops.gaussian_blur(x, [radius])
         assert (ours - theirs).abs().max() <= 20 and (ours - theirs).abs().mean() <= 1, radius
-    assert torch.equal(common.gaussian_blur(x, [None]), x)
+    assert torch.equal(device_crops.gaussian_blur(x, [None]), x)
 
 
 def loader_batches(batched, num_workers, n=16):
     """The crops, geometry and labels of an epoch of MixedSizes, cut on the CPU."""
-    dataset = common.SeededDataset(MixedSizes(n), augmentation(), seed=1, batched=batched)
+    dataset = common.SeededDataset(MixedSizes(n), augmentation(), seed=1)
+    if batched:
+        dataset = device_crops.BatchedCrops(dataset, "cpu")
     loader, sampler = common.make_loader(dataset, 8, num_workers=num_workers, seed=1)
     sampler.set_epoch(3)
     return [(common.crops_on_device(views, "cpu"), labels) for views, labels in loader]

@@ -16,6 +16,7 @@ from torchvision.transforms import functional as TF
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import device_crops  # noqa: E402
 
 DEVICE_DECODED = ["a/baseline.jpg", "a/no_subsampling.jpg", "b/square.jpg"]
 WORKER_DECODED = ["b/cmyk.jpg", "b/gray.jpg", "b/picture.png", "b/progressive.jpg",
@@ -53,10 +54,8 @@ def batch(folder, on_device):
     """(`UncroppedBatch`, geometry) of the whole folder, epoch 0, and the dataset."""
     augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=16,
                                            local_crop_size=8)
-    dataset = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3,
-                                   batched=True)
-    if on_device:
-        dataset.decode_jpegs_on_device()
+    seeded = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3)
+    dataset = device_crops.BatchedCrops(seeded, "cuda" if on_device else "cpu")
     views, _labels = dataset.__getitems__([(i, 0) for i in range(len(dataset))])
     return views, dataset
 
@@ -71,7 +70,7 @@ def test_workers_hand_baseline_jpegs_over_and_decode_the_rest(folder):
     assert kinds == {**{n: "EncodedJpeg" for n in DEVICE_DECODED},
                      **{n: "Tensor" for n in WORKER_DECODED}}
     assert dataset.host_decoded.value == len(WORKER_DECODED)
-    assert common.host_decoded_images(dataset, torch.device("cpu")) == {
+    assert device_crops.host_decoded_images(dataset, torch.device("cpu")) == {
         "host_decoded_images": len(WORKER_DECODED)}
     jpeg = uncropped.images[0]
     with Image.open(jpeg.path) as image:
@@ -82,13 +81,13 @@ def test_workers_hand_baseline_jpegs_over_and_decode_the_rest(folder):
 def test_without_device_decoding_nothing_is_counted(folder):
     _views, dataset = batch(folder, on_device=False)
     assert dataset.host_decoded is None
-    assert common.host_decoded_images(dataset, torch.device("cpu")) == {}
+    assert device_crops.host_decoded_images(dataset, torch.device("cpu")) == {}
 
 
 def test_the_device_decoded_batch_is_the_pil_decoded_one(folder):
     (pil, pil_geometry), _ = batch(folder, on_device=False)
     (device, device_geometry), _ = batch(folder, on_device=True)
-    decoded = common.images_on_device(device.images, torch.device("cpu"))
+    decoded = device_crops.images_on_device(device.images, torch.device("cpu"))
     for a, b in zip(pil.images, decoded):
         assert a.shape == b.shape and (a.int() - b.int()).abs().max() <= 1  # libjpeg builds
     assert device.views == pil.views
@@ -104,14 +103,14 @@ def test_a_file_the_device_decoder_refuses_is_decoded_by_pil_with_a_warning(
         folder, monkeypatch, capsys):
     (uncropped, _), _dataset = batch(folder, on_device=True)
     refused = uncropped.images[1]
-    decode = common.tv_io.decode_jpeg
+    decode = device_crops.tv_io.decode_jpeg
 
     def decode_jpeg(data, **kwargs):
         if isinstance(data, list) or data is refused.data:
             raise RuntimeError("nvjpegDecodeBatched failed: 3\nmore lines")
         return decode(data, **kwargs)
-    monkeypatch.setattr(common.tv_io, "decode_jpeg", decode_jpeg)
-    images = common.images_on_device(uncropped.images, torch.device("cpu"))
+    monkeypatch.setattr(device_crops.tv_io, "decode_jpeg", decode_jpeg)
+    images = device_crops.images_on_device(uncropped.images, torch.device("cpu"))
     assert torch.equal(images[1], TF.pil_to_tensor(common.load_image(refused.path)))
     out = capsys.readouterr().out
     assert out.count("warning:") == 1
@@ -124,21 +123,18 @@ def test_a_cut_jpeg_is_the_workers_to_decode_and_to_refuse(folder, tmp_path):
     cut = tmp_path / "cut.jpg"
     cut.write_bytes(whole[: len(whole) // 2])  # no end marker: never handed over
     with pytest.raises(common.BadImageError, match=f"cannot read image {cut}"):
-        common.read_jpeg_or_decode(cut)
+        device_crops.read_jpeg_or_decode(cut)
     missing = tmp_path / "missing.jpg"
     with pytest.raises(common.BadImageError, match=f"cannot read image {missing}"):
-        common.read_jpeg_or_decode(missing)
+        device_crops.read_jpeg_or_decode(missing)
 
 
 def test_a_loader_on_a_gpu_decodes_there_and_its_workers_count(folder, monkeypatch):
     augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=16,
                                            local_crop_size=8)
-    dataset = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3,
-                                   batched=True)
-    monkeypatch.setattr(common.torch.cuda, "is_initialized", lambda: True)
-    common.make_loader(dataset, 4, num_workers=0, seed=3)  # as built on a GPU: not iterated
-    assert dataset.base.loader is common.read_jpeg_or_decode
-    monkeypatch.undo()
+    seeded = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3)
+    dataset = device_crops.BatchedCrops(seeded, "cuda")  # as built for a GPU
+    assert dataset.base.loader is device_crops.read_jpeg_or_decode
     loader, sampler = common.make_loader(dataset, 4, num_workers=1, seed=3)  # pin_memory off
     sampler.set_epoch(0)
     for views, _labels in loader:

@@ -456,7 +456,7 @@ def preemption_requested(device):
     if calls[0] == n:
         print("waiting for a signal", flush=True)
         deadline = time.time() + 60
-        while common._preemption_signal is None and time.time() < deadline:
+        while common.preemption.signal is None and time.time() < deadline:
             time.sleep(0.05)
     return real(device)
 common.preemption_requested = preemption_requested

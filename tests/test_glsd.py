@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import checks  # noqa: E402
 import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
@@ -368,12 +369,12 @@ def test_similarity_and_vanilla_train_exactly_like_esvit(tmp_path, glsd_flags, e
 def test_crop_sizes_must_be_tiled_by_tokens():
     parse = glsd.get_args_parser().parse_args
     with pytest.raises(SystemExit, match="--local_crop_size 48 is not a multiple"):
-        common.check_start_args(parse(["--arch", "swin_pico", "--local_crop_size", "48"]))
+        checks.check_start_args(parse(["--arch", "swin_pico", "--local_crop_size", "48"]))
     with pytest.raises(SystemExit, match=r"--global_crop_size 40 .*\(16 px\)"):
-        common.check_start_args(parse(["--arch", "vit_pico", "--global_crop_size", "40"]))
+        checks.check_start_args(parse(["--arch", "vit_pico", "--global_crop_size", "40"]))
     with pytest.raises(SystemExit, match="--local_crop_size 48 is not a multiple"):   # one rule for every matching
-        common.check_start_args(parse(["--arch", "swin_pico", "--local_crop_size", "48", "--local_matching", "similarity"]))
-    common.check_start_args(parse([]))                 # the defaults: 224 and 96 px on Swin-T
+        checks.check_start_args(parse(["--arch", "swin_pico", "--local_crop_size", "48", "--local_matching", "similarity"]))
+    checks.check_start_args(parse([]))                 # the defaults: 224 and 96 px on Swin-T
 
 
 def test_help_is_grouped():

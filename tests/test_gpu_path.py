@@ -21,6 +21,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "extras" / "perf"))
+import checks  # noqa: E402
 import common  # noqa: E402
 import esvit  # noqa: E402
 import head_precision  # noqa: E402
@@ -204,12 +205,12 @@ def test_one_all_reduce_and_one_read_per_step_and_the_debug_file_awaited(tmp_pat
     try:
         losses = {"loss": torch.tensor(2.5), "part": torch.tensor(0.25)}
         assert common.average_step_stats(losses) == ({"loss": 2.5, "part": 0.25}, False)
-        monkeypatch.setattr(common, "_preemption_signal", "SIGTERM")
+        monkeypatch.setattr(common.preemption, "signal", "SIGTERM")
         assert common.average_step_stats(losses)[1] is True
         stats, _ = common.average_step_stats({"loss": torch.tensor(float("nan"))})
-        common.check_finite({"loss": 2.5}, 0, args, model, model, optimizer, model)   # finite: no-op
+        checks.check_finite({"loss": 2.5}, 0, args, model, model, optimizer, model)   # finite: no-op
         with pytest.raises(SystemExit) as stop:
-            common.check_finite(stats, 0, args, model, model, optimizer, model)
+            checks.check_finite(stats, 0, args, model, model, optimizer, model)
         assert stop.value.code == 1 and order == ["save checkpoint_nonfinite.pth", "barrier"]
         with pytest.raises(SystemExit):
             common.exit_after_preemption(tmp_path)
@@ -224,7 +225,7 @@ def test_a_malformed_lock_is_taken_over_not_a_traceback_before_the_others_hear(t
     """Rank 0 reads the .lock of --output_dir before the all-gather that tells the other processes
     whether the folder is theirs: any junk in it is a lock nobody holds, taken over."""
     (tmp_path / ".lock").write_bytes(junk)
-    common.claim_output_dir(tmp_path, "dino.py")
+    checks.claim_output_dir(tmp_path, "dino.py")
     assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on host")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, run_here, train_tiny, hold_lock, log_records
+import checks
 import common
 
 
@@ -30,12 +31,12 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_a_live_one_refused_in_proces
     holder = hold_lock(tmp_path)
     try:
         with pytest.raises(SystemExit, match=f"in use by another run \\(pid {holder.pid} on host"):
-            common.claim_output_dir(tmp_path, "dino.py")
+            checks.claim_output_dir(tmp_path, "dino.py")
     finally:
         holder.kill()
         holder.wait()
-    common.claim_output_dir(tmp_path, "dino.py")             # the killed holder's lock is free
-    common.claim_output_dir(tmp_path, "dino.py")             # again in the same process: its own
+    checks.claim_output_dir(tmp_path, "dino.py")             # the killed holder's lock is free
+    checks.claim_output_dir(tmp_path, "dino.py")             # again in the same process: its own
     assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on host")
 
 

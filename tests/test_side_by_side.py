@@ -87,8 +87,8 @@ def test_our_end_to_end_runs_on_jpegs_with_both_crop_paths(group_of_one, tmp_pat
                  "--batched_crops", batched]
         args = side_by_side.our_args(spec, 2, "fp32", CPU, str(tmp_path), flags)
         train, _ = side_by_side.build_ours(args, CPU, 3)
-        loader = side_by_side.our_loader(args)
-        assert loader.dataset.batched == (batched == "true")
+        loader = side_by_side.our_loader(args, CPU)
+        assert hasattr(loader.dataset, "collate") == (batched == "true")  # device_crops' batches
         clock = side_by_side.Clock(loader, 3, CPU, every_step=False)
         figures = side_by_side.measure(train, clock, CPU, 1, 2)
         check_figures(figures, steps=2, batch=2)

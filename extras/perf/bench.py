@@ -348,11 +348,10 @@ def hardware(device):
 
 def auto_precision(device):
     """The line `common.resolve_precision` logs for --precision auto on this device."""
-    probe = argparse.Namespace(precision="auto")
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
-        common.resolve_precision(probe, device)
-    return output.getvalue().strip() or f"precision: {probe.precision}"
+        precision, _auto = common.resolve_precision("auto", device)
+    return output.getvalue().strip() or f"precision: {precision}"
 
 
 def print_header(device, argv):

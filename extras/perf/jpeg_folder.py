@@ -32,6 +32,7 @@ from torchvision.transforms import functional as TF
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import device_crops  # noqa: E402
 
 MARKER = ".made.json"  # a file, not a folder: ImageFolder takes only folders for classes
 
@@ -134,21 +135,20 @@ def cost_per_image(folder, count=48, seed=0):
     indices = [(i, 0) for i in range(len(base.samples))]
     augment = common.MultiCropAugmentation()
     pil = common.SeededDataset(base, augment, seed=seed)
-    batched = common.SeededDataset(base, augment, seed=seed, batched=True)
+    batched = device_crops.BatchedCrops(common.SeededDataset(base, augment, seed=seed), "cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         seconds = {"decode_ms": process_time(lambda: [base[i] for i, _ in indices]),
-                   "pil_multicrop_ms": process_time(lambda: pil.__getitems__(indices))}
+                   "pil_multicrop_ms": process_time(lambda: [pil[i] for i in indices])}
         views = []
         seconds["batched_crops_worker_ms"] = process_time(
             lambda: views.append(batched.__getitems__(indices)[0]))
         seconds["batched_crops_device_half_on_this_cpu_ms"] = process_time(
             lambda: common.crops_on_device(views[0], torch.device("cpu")))
-        gpu = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=seed,
-                                   batched=True)
-        gpu.base.samples = base.samples
-        gpu.decode_jpegs_on_device()  # as on a GPU: the worker reads the files, nvJPEG decodes
+        gpu = device_crops.BatchedCrops(
+            common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=seed), "cuda")
+        gpu.base.samples = base.samples  # as on a GPU: the worker reads the files, nvJPEG decodes
         seconds["batched_crops_worker_gpu_decode_ms"] = process_time(
             lambda: gpu.__getitems__(indices))
     finally:
@@ -163,14 +163,14 @@ def device_decode(folder, count=96):
     and the pixels' mean and largest |difference| in levels of 255."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     paths = sorted(path for path, _ in common.ImageFolderSafe(str(folder)).samples)[:count]
-    jpegs = [common.read_jpeg_or_decode(path) for path in paths]
-    if not all(isinstance(jpeg, common.EncodedJpeg) for jpeg in jpegs):
+    jpegs = [device_crops.read_jpeg_or_decode(path) for path in paths]
+    if not all(isinstance(jpeg, device_crops.EncodedJpeg) for jpeg in jpegs):
         common.die(f"{folder} holds files that are not baseline RGB JPEGs: make it again")
-    common.images_on_device(jpegs[:8], device)  # the decoder's first call sets it up
+    device_crops.images_on_device(jpegs[:8], device)  # the decoder's first call sets it up
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     synchronize()
     start = time.perf_counter()
-    decoded = common.images_on_device(jpegs, device)
+    decoded = device_crops.images_on_device(jpegs, device)
     synchronize()
     seconds = time.perf_counter() - start
     diffs = torch.cat([(image.cpu().int() - TF.pil_to_tensor(common.load_image(path)).int())

@@ -55,6 +55,7 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "extras" / "experiments")]
 import authors_dino  # noqa: E402
 import common  # noqa: E402
+import device_crops  # noqa: E402
 import dino  # noqa: E402
 import gpu_check  # noqa: E402  (step_figures: the same figures as the GPU check's)
 import jpeg_folder  # noqa: E402
@@ -292,7 +293,7 @@ def end_to_end(authors, spec, args, device, precisions, tmp):
                          str(args.num_workers), "--batched_crops", str(loader_kind == "batched")]
                 ours = our_args(spec, batch, precision, device, tmp, flags)
                 train, _ = build_ours(ours, device, steps)
-                loader = our_loader(ours)
+                loader = our_loader(ours, device)
             record.update(measure(train, Clock(loader, steps, device, every_step=False), device,
                                   args.e2e_warmup, batch))
         except (Exception, SystemExit) as e:
@@ -303,13 +304,14 @@ def end_to_end(authors, spec, args, device, precisions, tmp):
         yield record
 
 
-def our_loader(args):
+def our_loader(args, device):
     """dino.main's data lines: the seeded multi-crop dataset and common.make_loader."""
     augment = common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale,
                                            args.local_crops_number, args.global_crop_size,
                                            args.local_crop_size)
-    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed,
-                                   batched=args.batched_crops)
+    dataset = common.SeededDataset(common.build_dataset(args, train=True), augment, seed=args.seed)
+    if args.batched_crops:
+        dataset = device_crops.BatchedCrops(dataset, device)
     loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
                                          train=True, seed=args.seed)
     sampler.set_epoch(0)

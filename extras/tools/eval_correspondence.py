@@ -52,6 +52,10 @@ from torchvision.transforms import functional as TF
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
+try:  # optional beside common.py: a fork may have left it out
+    import checks
+except ModuleNotFoundError as e:
+    raise SystemExit(f"error: eval_correspondence.py needs {e.name}.py beside common.py") from None
 
 import visualize  # noqa: E402  (this file's folder is on sys.path when it runs as a script)
 
@@ -283,7 +287,7 @@ def main(args):
     """Returns {protocol: metrics} (the same on every process)."""
     device = common.init_distributed(args.device)
     common.fix_random_seeds(args.seed)
-    common.check_scale_range("--crops_scale", args.crops_scale)
+    checks.check_scale_range("--crops_scale", args.crops_scale)
     if args.save_pictures:  # before any work: a file of that name is one line, not a late traceback
         common.make_folder(args.save_pictures, "--save_pictures")
     model, info = eval_knn.load_backbone(args.pretrained_weights, args.checkpoint_key, args.arch,

@@ -43,6 +43,11 @@ from torchvision.utils import draw_segmentation_masks, make_grid
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import eval_knn  # noqa: E402
+try:  # the optional files beside common.py: a fork may have left them out
+    import checks
+    import device_crops
+except ModuleNotFoundError as e:
+    raise SystemExit(f"error: visualize.py needs {e.name}.py beside common.py") from None
 
 GREEN, RED = (40, 220, 60), (240, 40, 40)
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
@@ -224,7 +229,9 @@ def crops_picture(dataset, augment, seed, indices, size=96, batched=False):
     """One row per image: the image, then its crops as training draws them at epoch 0
     (`common.SeededDataset` with the run's seed and --batched_crops), every view drawn size x
     size."""
-    seeded = common.SeededDataset(dataset, augment, seed, batched=batched)
+    seeded = common.SeededDataset(dataset, augment, seed)
+    if batched:  # device_crops
+        seeded = device_crops.BatchedCrops(seeded, "cpu")
     views = []
     for index in indices:
         image = dataset[index][0].convert("RGB")
@@ -272,6 +279,7 @@ def get_args_parser():
                        help="auto (CUDA when present), cpu, cuda, cuda:N")
         if name == "crops":
             common.add_multicrop_args(c)
+            device_crops.add_args(c)
         elif name == "attention":
             g.add_argument("--image_size", default=224, type=common.POSITIVE_INT,
                            help="the image is resized and centre-cropped to this (a multiple of "
@@ -280,6 +288,7 @@ def get_args_parser():
                            help="fraction of attention mass kept in the masks")
         else:
             common.add_multicrop_args(c)
+            device_crops.add_args(c)
             g.add_argument("--student_crop", default=1, type=int,
                            help="the student's crop: 1 = the other global crop, 2.. = a local crop")
     return p
@@ -344,7 +353,7 @@ def main(args):
             seed = common.sample_seed(args.seed, 0, args.index)
             if args.batched_crops:
                 pixels = pil_to_tensor(image.convert("RGB"))
-                batch = common.draw_multicrop(augment, [pixels], [seed])
+                batch = device_crops.draw_multicrop(augment, [pixels], [seed])
                 crops, geometry = common.crops_on_device(batch, "cpu")
                 crops = [c[0] for c in crops]
                 geometry = [{k: v[0] for k, v in g.items()} for g in geometry]
@@ -361,7 +370,7 @@ def multicrop(args, network=None):
     """A training run's multi-crop, its flags refused as the run refuses them (tiled by
     `network`'s tokens, if any)."""
     run = argparse.Namespace(**{**vars(args), "epochs": 0, "warmup_epochs": 0, **(network or {})})
-    common.check_start_args(run, stride=None if network else 1)
+    checks.check_start_args(run, stride=None if network else 1)
     return common.MultiCropAugmentation(args.global_crops_scale, args.local_crops_scale,
                                         args.local_crops_number, args.global_crop_size,
                                         args.local_crop_size)
