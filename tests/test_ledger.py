@@ -77,10 +77,28 @@ def test_the_ledger_holds_the_past_reconstructed_and_the_withdrawn_lines():
     assert not any(r.get("withdrawn") for r in shown)  # in the log, not in the tables
     blocks = compare.generated_blocks(log)
     assert all(
-        f"| {row} | fashion_mnist | test | steps1600 | 0 | 1600 | {top1:.2f} |"
-        in blocks["withdrawn"]
+        f"| compare.py | fashion_mnist | {row} | 0 | 1600 | {top1} |" in blocks["withdrawn"]
         for row, top1 in withdrawn
     )
+    for value in (38.4, 79.2, 84.59):           # the pixel values taken out of the log: listed too
+        assert f"| pixels | 0 | 400 | {value} |" in blocks["withdrawn"]
+    assert "| results.py | fashion_mnist | pixels | 0 | — | 84.59 |" in results.generated_blocks(
+        provenance.read_log(ROOT / "docs" / "data" / "results_32px.jsonl"))["withdrawn"]
+
+
+def test_the_ledger_holds_the_uses_of_the_deleted_logs_and_their_first_commits():
+    """The 19 test evaluations of the deleted 64 px log and the quick start's two results that the
+    README published without a log line are in the ledger; a reconstructed use names the first
+    commit of its line under the log's first name (the rename to docs/data/ is no first commit)."""
+    uses = [e for e in split_ledger.read_ledger(LEDGER) if e["kind"] == "use"]
+    sixty_four = [e for e in uses if e["data"] == "fashion_mnist_64px"]
+    assert len(sixty_four) == 19 and all(e.get("withdrawn") for e in sixty_four)
+    quick = [e for e in uses if e["driver"] == "quickstart.py" and e["data"] == "fashion_mnist"
+             and e["row"] == "dino trained on fashion_mnist"]
+    assert sorted(e["result"] for e in quick) == [56.56, 56.58, 58.46, 58.54, 58.54]
+    assert not any("first in commit c3056d5" in (e.get("from") or "") for e in uses)
+    readme = (ROOT / "README.md").read_text()
+    assert "58.54% (test use 5 of 5)" in readme
 
 
 def fake_compare(monkeypatch, ledger, seen):
@@ -152,7 +170,7 @@ def test_compare_appends_before_evaluating_and_refuses_an_unexplained_second_use
     assert ledger.read_text().startswith(before)  # appended, not rewritten
     table = split_ledger.ledger_table(split_ledger.read_ledger(ledger), {"compare.py"}, "steps")
     assert "| compare.py | fashion_mnist | vit_dino | 400 | row: 0 × 2 |" in table
-    assert table.endswith("| the checkpoint was lost |")  # the documents show the reason
+    assert table.endswith("| R1 |\n\n- R1: the checkpoint was lost")  # each reason once
 
 
 def test_a_validation_run_writes_nothing_to_the_ledger(tmp_path, monkeypatch):
@@ -183,13 +201,16 @@ def test_a_validation_run_writes_nothing_to_the_ledger(tmp_path, monkeypatch):
     assert len(seen) == 1 and not ledger.exists()
 
 
-def test_results_appends_before_training_and_refuses_an_unexplained_second_use(
+def test_results_appends_before_the_test_split_is_read_and_refuses_a_second_use(
     tmp_path, monkeypatch
 ):
     ledger, seen = tmp_path / "ledger.jsonl", []
 
-    def fake_run(name, variant, extra, phase, seed, work_dir):
+    def fake_run(name, variant, extra, phase, seed, work_dir, before_test):
+        before = [e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"]
+        before_test()           # the trained run is about to read the test split
         seen.append([e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"])
+        assert len(seen[-1]) == len(before) + 1
         return {"run": name, "variant": variant, "phase": phase, "seed": seed, "top1": 61.0}
 
     monkeypatch.setattr(results, "train_and_evaluate_unstamped", fake_run)
@@ -227,22 +248,32 @@ def test_results_appends_before_training_and_refuses_an_unexplained_second_use(
     assert [e["budget"] for e in seen[1]] == [1, 3]
 
 
-def test_quickstart_appends_before_training_and_refuses_an_unexplained_second_use(
-    tmp_path, monkeypatch
-):
+def test_quickstart_records_no_use_for_a_run_stopped_in_training(tmp_path, monkeypatch):
+    """A run stopped (SIGTERM) while it trains has read no test image: no use is recorded, and
+    the same command goes on without --reason; the use is recorded before the first k-NN."""
     ledger, seen = tmp_path / "ledger.jsonl", []
 
     class Stop(Exception):
         pass
 
+    def stopped_in_training(cmd, log_path):
+        raise Stop
+
     def fake_run(cmd, log_path):
+        if "eval_knn.py" not in cmd[1]:
+            return ""
         seen.append([e for e in split_ledger.read_ledger(ledger) if e["kind"] == "use"])
         raise Stop
 
-    monkeypatch.setattr(provenance, "run", fake_run)
     args = quickstart.get_args_parser().parse_args(
         ["--work_dir", str(tmp_path / "w"), "--ledger", str(ledger)]
     )
+    monkeypatch.setattr(provenance, "run", stopped_in_training)
+    with pytest.raises(Stop):
+        quickstart.run(args)
+    assert split_ledger.read_ledger(ledger) == []
+    monkeypatch.setattr(provenance, "run", fake_run)
+    monkeypatch.setattr(provenance, "check_trained", lambda cmd, out: None)
     with pytest.raises(Stop):
         quickstart.run(args)
     assert [(e["row"], e["data"], e["budget"]) for e in seen[0]] == [
@@ -300,7 +331,7 @@ def test_the_documents_count_of_test_uses_is_the_ledgers():
     ]
     counted = 0
     for text in blocks:
-        for line in text.splitlines()[2:]:
+        for line in [line for line in text.splitlines()[2:] if line.startswith("| ")]:
             driver, data, row, budget, per_seed = [c.strip() for c in line.split("|")[1:6]]
             group = [
                 e
@@ -312,5 +343,53 @@ def test_the_documents_count_of_test_uses_is_the_ledgers():
             assert group and total == len(group), line
             counted += total
     assert counted == len(uses)  # every use of the ledger is in a document
-    for name, path in (("compare.py", "docs/COMPARISON.md"), ("results.py", "docs/RESULTS.md")):
-        assert f"<!-- {name}:test_uses -->" in (ROOT / path).read_text()
+    for name in ("compare.py", "results.py"):          # the appendix holds both
+        assert f"<!-- {name}:test_uses -->" in (ROOT / "docs" / "APPENDIX.md").read_text()
+
+
+USE = {"driver": "compare.py", "data": "d", "row": "vit_dino", "seed": 0, "budget": 400,
+       "evaluation": "row", "command": "python dino.py"}
+
+
+def test_an_append_starts_on_a_new_line_and_never_goes_through_a_link(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    use_id = split_ledger.record_test_use(ledger, USE)
+    ledger.write_text(ledger.read_text().rstrip("\n"))        # its last line without its newline
+    split_ledger.record_test_result(ledger, use_id, 61.0)
+    split_ledger.reword_reason(ledger, use_id, "again", "why")
+    assert [e["kind"] for e in split_ledger.read_ledger(ledger)] == ["use", "result", "reason"]
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text(ledger.read_text())
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(SystemExit, match="symbolic link"):
+        split_ledger.record_test_use(link, {**USE, "row": "vit_esvit"})
+    with pytest.raises(SystemExit, match="symbolic link"):
+        provenance.append_line(link, {"a": 1})
+    assert target.read_text() == ledger.read_text()
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"kind": "use", **{k: v for k, v in USE.items() if k != "driver"}, "id": "a",
+      "reason": "first use"}, "record 1 (use): driver is missing, not a text"),
+    ({"kind": "result", "id": "a"}, "record 1 (result): result is missing"),
+    ({"kind": "use", **USE, "seed": [0, 1], "id": "a", "reason": "r"},
+     "record 1 (use): seed is [0, 1], not an integer"),
+    ({"kind": "usage", "id": "a"}, "record 1: kind \"usage\" is not one of use, result, reason"),
+])
+def test_every_field_of_a_ledger_line_is_checked_in_one_line(tmp_path, line, message):
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text(json.dumps(line) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        split_ledger.read_ledger(ledger)
+    assert message in str(stop.value) and "\n" not in str(stop.value)
+
+
+def test_a_use_written_with_other_types_still_counts(tmp_path):
+    """kind "Use" and seed "0": the same key as kind "use" and seed 0, so a second evaluation is
+    refused without a reason."""
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text(json.dumps({"kind": "Use", **USE, "seed": "0", "budget": "400", "id": "a",
+                                  "reason": "first use"}) + "\n")
+    with pytest.raises(SystemExit, match="evaluated for vit_dino seed 0 at budget 400"):
+        split_ledger.record_test_use(ledger, USE)

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extras" / "experiments"))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "extras" / "tools"))
+import claims  # noqa: E402
 import compare  # noqa: E402
 import provenance  # noqa: E402
 import split_ledger  # noqa: E402
@@ -48,13 +49,13 @@ def test_table_reports_mean_half_range_and_gain_over_random_init_per_phase():
                {"run": "pixels", "variant": "recipe", "phase": "test", "seed": 0, "top1": 84.6, "train_seconds": 0.0,
                 "utc": "2026-11-27T11:00:00Z"}]
     lines = results.table(records, "test").splitlines()
-    assert lines[2:] == ["| dino | recipe | 2 | 62.0 ± 2.0 | 51.0 ± 1.0 | 11.0 ± 1.0 (+10.0, +12.0) | 10.5 | 950 | 2026-11-27 / 2026-11-28 |",
+    assert lines[2:] == ["| dino | recipe | 2 | 62.0 ± 2.0 | 51.0 ± 1.0 | 11.0 ± 1.0 (+10.0, +12.0): finding | 10.5 | 950 | 2026-11-27 / 2026-11-28 |",
                          "| raw pixels | — | — | 84.6 | — | — | — | — | 2026-11-27 |"]
 
 
 def test_results_publish_only_stamped_lines_and_list_the_commands_that_log_the_others_again():
     """A line without a time, commit and machine (written before stamps existed) is not in any table or
-    paired comparison; its run's command, with --relog, is listed instead."""
+    paired comparison; its run's command is listed instead."""
     def line(run, seed, top1, **more):
         return {"run": run, "variant": "recipe", "phase": "test", "seed": seed, "top1": top1, "peak_memory_mb": 900,
                 "train_seconds": 60, "train_command": f"python drloc.py {results.RUNS[run][1]} --seed {seed}", **more}
@@ -62,39 +63,26 @@ def test_results_publish_only_stamped_lines_and_list_the_commands_that_log_the_o
     records = [line("drloc", 0, 41.0), line("drloc_base", 0, 40.0), line("drloc", 1, 42.0), line("drloc_base", 1, 40.5),
                line("drloc5k_vit", 0, 59.0, **stamp)]
     blocks = results.generated_blocks(records)
-    assert blocks["test"].splitlines()[2:] == ["| drloc5k_vit (supervised top-1, ± std) | recipe | 1 | 59.0 ± 0.0 | — | — "
-                                                "| 1.0 | 900 | 2026-11-27 |"]     # no drloc row, no paired line
-    assert "python extras/experiments/results.py --runs drloc --phase test --seeds 0 1 --relog" in blocks["unstamped"]
-    assert "python extras/experiments/results.py --runs drloc_base --phase test --seeds 0 1 --relog" in blocks["unstamped"]
+    assert blocks["test"].splitlines()[2:] == ["| drloc5k_vit (supervised top-1, ± std) | recipe (test only) | 1 | 59.0 ± 0.0 | — | — "
+                                                "| 1.0 | 900 | 2026-11-27 | 0: no use in the ledger |"]   # no drloc row, no paired line
+    assert "python extras/experiments/results.py --runs drloc --phase test --seeds 0 1\n" in blocks["unstamped"]
+    assert "python extras/experiments/results.py --runs drloc_base --phase test --seeds 0 1\n" in blocks["unstamped"]
     assert "drloc5k" not in blocks["unstamped"] and "drloc5k" in blocks["commands"]
     assert "41.0" not in "".join(blocks.values()) and blocks["unstamped"].startswith("4 lines")
     assert results.generated_blocks(records[4:])["unstamped"] == "Every line of the log is stamped."
 
 
-def test_results_relog_runs_only_unstamped_runs_again_and_the_stamped_line_replaces_them(tmp_path, monkeypatch):
-    log = tmp_path / "log.jsonl"
+def test_results_a_stamped_line_replaces_the_unstamped_ones_of_its_run():
     old = [{"run": "dino", "variant": "recipe", "phase": "test", "seed": seed, "top1": 60.0 + seed,
             "random_init_top1": 50.0, "train_seconds": 600, "peak_memory_mb": 900,
             "train_command": "python dino.py --seed 0"} for seed in (0, 1)]
-    stamped = {**old[1], "top1": 61.25, "utc": "2026-11-26T10:00:00Z"}
-    log.write_text("".join(json.dumps(r) + "\n" for r in [*old, stamped]))
-    ran = []
-
-    def fake_train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger, reason):
-        ran.append((name, seed))
-        return {**old[seed], "top1": 63.5, "random_init_top1": 50.5, "utc": "2026-11-26T11:00:00Z"}
-    monkeypatch.setattr(results, "train_and_evaluate", fake_train_and_evaluate)
-    argv = ["results.py", "--runs", "dino", "--seeds", "0", "1", "--log", str(log)]
-    monkeypatch.setattr(sys, "argv", argv)
-    results.main()                                     # every seed logged, stamped or not: nothing runs
-    monkeypatch.setattr(sys, "argv", argv + ["--relog"])
-    results.main()
-    assert ran == [("dino", 0)]                         # seed 1 was logged again already
-    blocks = results.generated_blocks(provenance.read_log(log))
+    stamped = [{**old[1], "top1": 61.25, "utc": "2026-11-26T10:00:00Z"},
+               {**old[0], "top1": 63.5, "random_init_top1": 50.5, "utc": "2026-11-26T11:00:00Z"}]
+    blocks = results.generated_blocks([*old, *stamped])
     assert blocks["relogged"].splitlines()[2:] == [
         "| dino | recipe | test | 0 | 60.00, 63.50 | +3.50 | 50.00, 50.50 | 2026-11-26 |",
         "| dino | recipe | test | 1 | 61.00, 61.25 | +0.25 | 50.00, 50.00 | 2026-11-26 |"]
-    assert "| dino | recipe | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # the stamped lines alone
+    assert "| dino | recipe (test only) | 2 | 62.4 ± 1.1 | 50.2 ± 0.2 |" in blocks["test"]   # stamped alone
 
 
 def test_the_drivers_read_a_relative_path_from_where_it_was_typed(tmp_path, monkeypatch):
@@ -159,31 +147,16 @@ def test_a_negative_seed_is_refused_before_any_run(argv, capsys):
     assert "is out of range: expected a value in [0, inf)" in capsys.readouterr().err
 
 
-def test_quickstart_relog_runs_only_unstamped_keys_again_with_their_own_flags(tmp_path, monkeypatch):
-    log = tmp_path / "quickstart.jsonl"
+def test_quickstart_a_stamped_line_replaces_the_unstamped_ones_of_its_key():
     line = {"data": "fashion_mnist", "trained_on": "fashion_mnist", "phase": "val", "steps": 250,
             "knn_top1": 56.0, "random_init_knn_top1": 52.0}
-    old = [{**line, "variant": "base", "extra": "--precision bf16"}, {**line, "variant": "lr1", "extra": "--lr 0.001"},
-           {**line, "variant": "s400", "steps": 400, "knn_top1": 59.0}]
-    stamped = {**old[1], "knn_top1": 53.5, "utc": "2026-11-26T10:00:00Z"}
-    log.write_text("".join(json.dumps(r) + "\n" for r in [*old, stamped]))
-    ran = []
-
-    def fake_run(job):
-        ran.append((job.variant, job.phase, job.steps, job.extra, job.eval_data))
-        return {**next(r for r in old if r["variant"] == job.variant), "knn_top1": 57.25, "utc": "2026-11-26T11:00:00Z"}
-    monkeypatch.setattr(quickstart, "run", fake_run)
-    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--relog", "--log", str(log)])
-    quickstart.main()
-    assert ran == [("base", "val", 250, "--precision bf16", None), ("s400", "val", 400, "", None)]
-    table = quickstart.variants_table(provenance.read_log(log))
+    old = [{**line, "variant": "base", "extra": "--precision bf16"}, {**line, "variant": "s400", "steps": 400,
+                                                                       "knn_top1": 59.0}]
+    stamped = [{**r, "knn_top1": 57.25, "utc": "2026-11-26T11:00:00Z"} for r in old]
+    table = quickstart.variants_table([*old, *stamped])
     assert "| base | 250 | `--precision bf16` | 57.25 | 52.00 | +5.25 |" in table       # the stamped line shown
     assert ("Superseded: variant s400, 59.00 against 52.00 (no timestamp): a later line has the same key; the line "
             "shown: 57.25 against 52.00, gain now minus then -1.75") in table
-    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--relog", "--log", str(log)])
-    ran.clear()
-    quickstart.main()                                    # every key stamped now: nothing runs
-    assert ran == []
 
 
 def test_drloc_comparison_is_paired_by_seed():
@@ -191,19 +164,22 @@ def test_drloc_comparison_is_paired_by_seed():
                for run, seed, top1 in [("drloc", 0, 50.0), ("drloc", 1, 54.0), ("drloc", 2, 52.0), ("drloc", 3, 99.0),
                                        ("drloc_base", 0, 49.0), ("drloc_base", 1, 51.0), ("drloc_base", 2, 52.0)]]
     line = results.paired_difference(records, "test")
-    # seed 3 has no baseline: differences +1, +3, 0 -> mean 1.33, std 1.53, 2 s.e. = 1.76
-    assert "(3 seeds: +1.00, +3.00, +0.00): +1.33 ± 1.53 points" in line and line.endswith("within two standard errors of the mean")
-    assert "beyond" in results.paired_difference([{**r, "top1": r["top1"] + 5 * (r["run"] == "drloc")} for r in records], "test")
+    # seed 3 has no baseline: differences +1, +3, 0 -> mean 1.33, half-range 1.5: within the spread
+    assert line == "drloc - drloc_base, paired by seed: +1.33 (+1.00, +3.00, +0.00; SE 0.50): undecided"
+    moved = results.paired_difference([{**r, "top1": r["top1"] + 5 * (r["run"] == "drloc")} for r in records], "test")
+    assert moved.endswith(": finding")
     assert results.paired_difference(records[:1] + records[4:5], "test") is None
 
 
 def test_results_md_is_what_table_generates_from_the_log():
     """docs/RESULTS.md's tables and commands are `results.py --table`'s output for the committed log."""
-    committed = results.RESULTS_MD.read_text()
     records = provenance.read_log(results.ROOT / "docs" / "data" / "results_32px.jsonl")
-    assert "<!-- results.py:test -->" in committed and "<!-- results.py:commands -->" in committed
-    assert results.refresh(committed, results.generated_blocks(records)) == committed, \
-        "docs/RESULTS.md is stale: run python extras/experiments/results.py --table"
+    assert "<!-- results.py:test -->" in results.RESULTS_MD.read_text()
+    assert "<!-- results.py:commands -->" in results.APPENDIX_MD.read_text()
+    for path in (results.RESULTS_MD, results.APPENDIX_MD):
+        committed = path.read_text()
+        assert results.refresh(committed, results.generated_blocks(records)) == committed, \
+            f"{path.name} is stale: run python extras/experiments/results.py --table"
 
 
 def test_each_listed_command_trains_what_its_logged_runs_trained():
@@ -472,8 +448,9 @@ def test_a_test_row_that_never_ran_on_validation_says_so():
     only_test = [{**r, "row": "vit_esvit"} for r in records if r["row"] == "vit_dino" and r["phase"] == "test"]
     table = compare.comparison_table(records + only_test, "fashion_mnist", "test").splitlines()
     assert [line.split(" | ")[:2] for line in table[2:4]] == [["| vit_dino", "recipe"], ["| vit_esvit", "recipe (test only)"]]
-    summary = compare.summary_table(records + only_test).splitlines()[2]
-    assert "61.0 ± 1.0 (+11.0 ± 1.0) | 61.0 ± 1.0 (+11.0 ± 1.0, not run on validation) |" in summary
+    summary = compare.summary_table(records + only_test).splitlines()
+    assert "| `vit_pico` | DINO | 61.0 ± 1.0 | +11.0 ± 1.0 | — |" in summary[3]
+    assert "| `vit_pico` | EsViT (not run on validation) | 61.0 ± 1.0 | +11.0 ± 1.0 |" in summary[4]
 
 
 def test_long_budget_table_sets_each_row_against_the_raw_pixels_of_its_split():
@@ -488,18 +465,28 @@ def test_long_budget_table_sets_each_row_against_the_raw_pixels_of_its_split():
     assert untried.split(" | ")[2] == "steps1600 (test only)"
 
 
-def test_long_budget_differences_pair_each_seed_with_dino_at_the_same_budget():
+def test_findings_pair_each_seed_with_dino_at_the_same_budget_and_judge_by_the_rule():
     records = fake_comparison_records()                # vit_dino 60 and 62 over random inits of 50 (test)
     long = [{**r, "steps": 1600, "variant": "steps1600"} for r in records if r["row"] == "vit_dino"]
     esvit = [{**r, "row": "vit_esvit", "knn_top1": r["knn_top1"] + 3.0 - r["seed"], "linear_top1": None}
              for r in long if r["phase"] == "test"]
-    runs = compare.compare_tables.long_runs(records + long + esvit)
-    assert runs == [("val", "steps1600"), ("test", "steps1600")]
-    lines = compare.differences_table(records + long + esvit, runs=runs).splitlines()
-    assert lines[0].startswith("| backbone | row | phase | variant | seeds |")
-    assert lines[2:] == ["| `vit_pico` | vit_esvit | test | steps1600 (test only) | 2 | +13.5 ± 0.5 "
-                         "| +2.5 ± 0.5 (+3.0, +2.0) | — | — |"]             # no val esvit row: no val line
-    assert compare.differences_table(records, runs=[]).startswith("No method row")
+    said = compare.compare_tables.findings(records + long + esvit, "fashion_mnist", "test", "steps1600")
+    over_dino = [told for row, other, told in said if row == "vit_esvit" and other.startswith("vit_dino")]
+    assert over_dino[0]["knn_top1"] == "+2.50 (+3.00, +2.00; SE 0.49): finding"     # beyond 0.5 and 0.49
+    assert over_dino[0]["linear_top1"] is None
+    pixels = [told for row, other, told in said if row == "vit_dino" and other.startswith("the raw")]
+    assert pixels[0]["knn_top1"].startswith("-23.59 (-24.59, -22.59; SE ")
+    table = compare.compare_tables.findings_table(records + long + esvit,
+                                                  [("fashion_mnist", "test", "steps1600")])
+    assert "| fashion_mnist, test, steps1600 (1600 steps) (test only) | vit_esvit | vit_dino" in table
+
+
+def test_the_rule_says_finding_no_finding_or_undecided():
+    assert claims.finding([1.0, 1.2], 0.5) == "finding"          # beyond spread and error
+    assert claims.finding([0.1, -0.1], 0.5) == "no finding"      # beyond neither
+    assert claims.finding([1.2, 0.0], 0.5) == "undecided"        # beyond the error only
+    assert claims.finding([0.3, 0.3], 0.5) == "undecided"        # beyond the spread only
+    assert claims.finding([2.0], 0.5) == "undecided"             # one seed
 
 
 def test_a_variant_that_trains_a_validated_setting_again_is_not_test_only():
@@ -523,7 +510,7 @@ def test_a_command_without_a_curve_keeps_the_checkpoint_spacing_its_training_ran
 
 def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
     records = fake_comparison_records()
-    assert "No trained row" in compare.four_k.knn_k_pixels_table(records)
+    assert "No trained row" in compare.appendix.knn_k_pixels_table(records)
     pixels = {"10": 85.76, "20": 85.27, "100": 82.95, "200": 81.74}
     network = {0: {"10": 85.0, "20": 86.0, "100": 84.0, "200": 82.0},
                1: {"10": 86.5, "20": 85.5, "100": 84.5, "200": 81.5}}
@@ -531,7 +518,7 @@ def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
             {**r, "knn_top1_by_k": network[r["seed"]]} if r["row"] == "vit_dino" and r["phase"] == "test" else r
             for r in records]
     partial = {**by_k[-1], "row": "vit_esvit", "phase": "test", "knn_top1_by_k": {"20": 70.0}}
-    table = compare.four_k.knn_k_pixels_table(by_k + [partial]).splitlines()
+    table = compare.appendix.knn_k_pixels_table(by_k + [partial]).splitlines()
     assert len(table) == 3 and table[2].startswith("| vit_dino | recipe | 400 | 2 | ")
     cells = table[2].split(" | ")[4:]
     for k, text in zip(("10", "20", "100", "200"), cells):
@@ -539,10 +526,11 @@ def test_knn_at_four_k_is_set_against_the_pixels_at_the_same_k_seed_by_seed():
         mean, spread = sum(diffs) / 2, abs(diffs[0] - diffs[1]) / 2
         worst = min(network[0][k], network[1][k], pixels[k], key=lambda t: abs(t - 50)) / 100
         error = 100 * (worst * (1 - worst) / 10000) ** 0.5
-        verdict = "finding" if abs(mean) > spread and abs(mean) > error else "noise"
+        beyond = (abs(mean) > spread) + (abs(mean) > error)
+        verdict = ["no finding", "undecided", "finding"][beyond]
         assert text.rstrip(" |") == (f"{mean:+.1f} ± {spread:.1f} ({diffs[0]:+.2f}, {diffs[1]:+.2f}): {verdict}")
-    assert [c.rsplit(": ", 1)[1].rstrip(" |") for c in cells] == ["noise", "finding", "finding", "noise"]
-    knn = compare.four_k.knn_k_table(by_k).splitlines()
+    assert [c.rsplit(": ", 1)[1].rstrip(" |") for c in cells] == ["no finding", "finding", "finding", "no finding"]
+    knn = compare.appendix.knn_k_table(by_k).splitlines()
     assert knn[2].startswith("| vit_dino | fashion_mnist | test | 400 | 0 | 85.00 | 86.00 | 84.00 | 82.00 |")
     assert knn[4].startswith("| pixels | fashion_mnist | test | — | 0 | 85.76 |")
 
@@ -581,30 +569,16 @@ def test_a_stopped_row_resumes_and_a_logged_row_is_skipped(tmp_path, monkeypatch
     assert capsys.readouterr().out.count("logged already") == 2
 
 
-def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_replaces_it(tmp_path, monkeypatch, capsys):
-    """--relog runs again only the rows whose every line lacks a timestamp; the tables, the pictures'
-    reader and the commands then see the stamped line alone, and the relogged block shows both."""
-    log = tmp_path / "log.jsonl"
+def test_a_row_logged_again_with_a_stamp_replaces_its_unstamped_line():
+    """The tables, the pictures' reader and the commands see the stamped line alone, and the
+    relogged block shows both."""
     unstamped = [r for r in fake_comparison_records() if r["phase"] == "test" and r["row"] in ("vit_dino", "vit_random")]
-    relogged_already = {**{k: v for k, v in unstamped[2].items() if k != "linear_top1"}, "knn_top1": 61.5,
-                        "utc": "2026-11-26T10:00:00Z", "precision": "bf16"}
-    log.write_text("".join(json.dumps(r) + "\n" for r in unstamped + [relogged_already]))
-    ran = []
-
-    def fake_run_row(row, args, seed):
-        ran.append((row, seed))
-        return {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase, "seed": seed,
-                "steps": args.steps, "knn_top1": 64.25, "linear_top1": 69.0, "utc": "2026-11-26T11:00:00Z",
-                "precision": "bf16", "network": NETWORK, "backbone": "vit", "correspondence": unstamped[0]["correspondence"]}
-    monkeypatch.setattr(compare, "run_row", fake_run_row)
-    monkeypatch.setattr(provenance.os, "chdir", lambda path: None)
-    argv = ["compare.py", "--phase", "test", "--rows", "vit_dino", "--seeds", "0", "1", "--log", str(log)]
-    monkeypatch.setattr(sys, "argv", argv)
-    compare.main()                                      # logged, stamped or not: nothing runs
-    monkeypatch.setattr(sys, "argv", argv + ["--relog"])
-    compare.main()
-    assert ran == [("vit_dino", 0)]                     # seed 1 has a stamped line already
-    records = provenance.read_log(log)
+    again = [{**{k: v for k, v in unstamped[2].items() if k != "linear_top1"}, "knn_top1": 61.5,
+              "utc": "2026-11-26T10:00:00Z", "precision": "bf16"},
+             {**unstamped[0], "row": "vit_dino", "knn_top1": 64.25, "linear_top1": 69.0, "utc": "2026-11-26T11:00:00Z",
+              "precision": "bf16", "network": NETWORK, "backbone": "vit"}]
+    again[1] = {**next(r for r in unstamped if r["row"] == "vit_dino" and r["seed"] == 0), **again[1]}
+    records = unstamped + again
     shown, pairs = compare.compare_tables.current(records)
     assert [(r["row"], r["seed"], r["knn_top1"]) for r in shown] == [
         ("vit_random", 0, 50.0), ("vit_random", 1, 50.0), ("vit_dino", 1, 61.5), ("vit_dino", 0, 64.25)]
@@ -615,17 +589,18 @@ def test_relog_runs_a_row_logged_without_a_stamp_again_and_its_stamped_line_repl
         "| 2026-11-26 |",
         "| vit_dino | fashion_mnist | test | recipe | 1 | 62.00, 61.50 | -0.50 | — | — | not logged, bf16 | 2026-11-26 |"]
     assert "| vit_dino | recipe (test only) | 400 | 2 | 62.9 ± 1.4 |" in blocks["fashion_mnist_test"]   # (61.5 + 64.25) / 2
-    assert len(curves.read_json_lines(log)) == 4                 # the curves read what the tables show
     assert compare.generated_blocks(unstamped)["relogged"].startswith("No line logged without a timestamp")
 
 
 def test_comparison_md_is_what_table_generates_from_the_log():
     log = results.ROOT / "docs" / "data" / "compare_32px.jsonl"
     records = provenance.read_log(log) if log.exists() else []
-    committed = compare.COMPARISON_MD.read_text()
-    assert "<!-- compare.py:fashion_mnist_test -->" in committed and "<!-- compare.py:commands -->" in committed
-    assert results.refresh(committed, compare.generated_blocks(records), tag="compare.py") == committed, \
-        "docs/COMPARISON.md is stale: run python extras/experiments/compare.py --table"
+    assert "<!-- compare.py:fashion_mnist_test -->" in compare.COMPARISON_MD.read_text()
+    assert "<!-- compare.py:commands -->" in compare.APPENDIX_MD.read_text()
+    for path in (compare.COMPARISON_MD, compare.APPENDIX_MD):
+        committed = path.read_text()
+        assert results.refresh(committed, compare.generated_blocks(records), tag="compare.py") == committed, \
+            f"{path.name} is stale: run python extras/experiments/compare.py --table"
 
 
 @pytest.mark.parametrize("path", compare.SUMMARY_FILES, ids=lambda p: p.name)
@@ -642,9 +617,12 @@ def test_summaries_are_what_table_generates_from_the_log(path):
 
 def test_summary_table_pairs_each_seed_with_its_own_random_init():
     lines = compare.summary_table(fake_comparison_records()).splitlines()
-    assert lines[0].startswith("| backbone | random init | DINO | EsViT |")
+    assert lines[0].startswith("| backbone | method | 20-NN top-1 (%) | gain over its random init |")
     # seeds 0 and 1: 60 and 62 against a random init of 50 in both
-    assert lines[2:] == ["| `vit_pico` | 50.0 ± 0.0 | 61.0 ± 1.0 (+11.0 ± 1.0) | — | — | — | n/a |"]
+    assert lines[2:] == ["| `vit_pico` | random init | 50.0 ± 0.0 | — | — | 0: no use in the ledger, "
+                         "1: no use in the ledger |",
+                         "| `vit_pico` | DINO | 61.0 ± 1.0 | +11.0 ± 1.0 | — | 0: no use in the ledger, "
+                         "1: no use in the ledger |"]
     assert compare.summary_table([]) == "No test-phase run of the comparison on fashion_mnist is logged yet."
 
 
@@ -723,20 +701,20 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
             for run, value in ((f"drloc5k_{arch}", 50.0 + gain), (f"drloc5k_{arch}_base", 50.0)):
                 records.append({"run": run, "variant": variant, "phase": "val", "seed": seed, "top1": value})
     text = results.drloc_regime(records)
-    assert "- `swin`, 6 epochs: +2.50 (seeds +3.00, +2.00; ± 0.50)" in text
-    assert "a larger gain for the Swin than for the ViT (6 epochs): holds here, a finding" in text
+    assert "- `swin`, 6 epochs: +2.50 (+3.00, +2.00; SE 0.71): finding" in text
+    assert "a larger gain for the Swin than for the ViT (6 epochs): holds here" in text
     assert "the same sign with every seed" not in text                 # half the time by chance
-    assert "(`swin`, 2 against 6 epochs): holds here, a finding" in text      # +4.5 against +2.5
-    assert "(`vit`, 2 against 6 epochs): within noise: not decided here (gap -0.25 (seeds -1.00, " \
-           "+0.50; ± 0.75); one evaluation's binomial error 0.71)" in text    # +0.5 against +0.75
+    assert "(`swin`, 2 against 6 epochs): holds here (gap" in text      # +4.5 against +2.5
+    assert "(`vit`, 2 against 6 epochs): not decided here (gap -0.25 (-1.00, +0.50; SE 0.71): " \
+           "no finding)" in text    # +0.5 against +0.75
     def vit_recipe(r):
         return r["run"] == "drloc5k_vit" and r["variant"] == "recipe"
     # the gap 1.75 - 0.4 = 1.35: beyond the seeds' spread (0.25) and the binomial error (0.71)
     apart = [{**r, "top1": r["top1"] + 0.4 * vit_recipe(r)} for r in records]
-    assert "than for the ViT (6 epochs): holds here, a finding" in results.drloc_regime(apart)
+    assert "than for the ViT (6 epochs): holds here" in results.drloc_regime(apart)
     # the gap 1.75 - 1.2 = 0.55: beyond the spread (0.25), not the binomial error
     close = [{**r, "top1": r["top1"] + 1.2 * vit_recipe(r)} for r in records]
-    assert "than for the ViT (6 epochs): within noise" in results.drloc_regime(close)
+    assert "than for the ViT (6 epochs): not decided here" in results.drloc_regime(close)
     assert results.drloc_regime(records[:2]).startswith("No paired difference yet")
     longer = [{**r, "variant": "epochs30", "top1": r["top1"] + (0.0 if r["run"].endswith("_base") else 1.0),
                "train_command": f"python drloc.py --epochs 6 --arch a --epochs 30 --seed {r['seed']}"}
@@ -744,31 +722,31 @@ def test_drloc_regime_says_whether_the_papers_direction_holds():
     other = [{**r, "variant": "lr", "top1": 0.0, "train_command": "python drloc.py --epochs 6 --lr 1"}
              for r in records if r["variant"] == "recipe"]             # another variant at the recipe's length
     text = results.drloc_regime(records + longer + other)
-    assert "- `swin`, 30 epochs: +3.50 (seeds +4.00, +3.00; ± 0.50)" in text
-    assert "(`swin`, 6 against 30 epochs): the opposite holds here, a finding (gap -1.00" in text
+    assert "- `swin`, 30 epochs: +3.50 (+4.00, +3.00; SE 0.71): finding" in text
+    assert "(`swin`, 6 against 30 epochs): the opposite holds here (gap -1.00" in text
     # each length against the next
-    assert "(`swin`, 2 against 6 epochs): holds here, a finding (gap +2.00" in text
+    assert "(`swin`, 2 against 6 epochs): holds here (gap +2.00" in text
     assert "2 against 30 epochs" not in text
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
-    assert "- `swin`, 6 epochs: +2.50 (seeds +3.00, +2.00; ± 0.50)" in text       # the recipe's, not `lr`'s
+    assert "- `swin`, 6 epochs: +2.50 (+3.00, +2.00; SE 0.71): finding" in text       # the recipe's, not `lr`'s
     assert "test split" not in text
     tested = [{**r, "phase": "test", "top1": r["top1"] - (1.0 if r["run"] == "drloc5k_vit" else 0.0)}
               for r in longer if "vit" in r["run"]]                 # one backbone run once on the test split
     text = results.drloc_regime(records + longer + other + tested)
     # test pairs never enter the validation lines
     assert text.splitlines()[-2] == ("- the test split (its first 5000 images), `vit`, 30 epochs: "
-                                     "+0.75 (seeds +1.00, +0.50; ± 0.25)")
+                                     "+0.75 (+1.00, +0.50; SE 0.71): finding")
     assert "a larger gain for the Swin than for the ViT (30 epochs): holds here" in text
     shapes = [{**r, "variant": "shapes30", "top1": r["top1"] + (0.0 if r["run"].endswith("_base") else 2.0),
                "train_command": f"python drloc.py --dataset fashion_mnist --epochs 30 --dataset synthetic --seed {r['seed']}"}
               for r in longer]                                          # the same length on a second dataset
     text = results.drloc_regime(records + longer + other + shapes)
-    assert "- `swin`, 30 epochs: +3.50 (seeds +4.00, +3.00; ± 0.50)" in text     # Fashion-MNIST's pair stays its own
-    assert "- `swin`, 30 epochs, shapes: +5.50 (seeds +6.00, +5.00; ± 0.50)" in text
-    assert ("a larger gain for the Swin than for the ViT (30 epochs, shapes): holds here, "
-            "a finding (gap +1.75") in text
+    assert "- `swin`, 30 epochs: +3.50 (+4.00, +3.00; SE 0.71): finding" in text     # Fashion-MNIST's pair stays its own
+    assert "- `swin`, 30 epochs, shapes: +5.50 (+6.00, +5.00; SE 0.71): finding" in text
+    assert ("a larger gain for the Swin than for the ViT (30 epochs, shapes): holds here "
+            "(gap +1.75") in text
     # within Fashion-MNIST only
-    assert "(`swin`, 6 against 30 epochs): the opposite holds here, a finding (gap -1.00" in text
+    assert "(`swin`, 6 against 30 epochs): the opposite holds here (gap -1.00" in text
     assert "against 30 epochs, shapes" not in text and "30 against 30" not in text
 
 
@@ -837,4 +815,5 @@ def test_the_readme_glance_at_long_runs_shows_only_rows_run_on_both_splits():
     assert glance(records + [r for r in long if r["phase"] == "test"]).startswith("No row longer than 400 steps")
     lines = glance(records + long).splitlines()
     assert len(lines) == 3 and lines[2].split(" | ")[1:] == [
-        "DINO", "1600", "1, 2", "61.0 ± 1.0", "-23.6 ± 1.0 (-24.59, -22.59)", "90.0 (val 0, 2 threads) |"]
+        "DINO", "1600", "1, 2", "61.0 ± 1.0", "-23.6 ± 1.0 (-24.59, -22.59)",
+        "0: no use in the ledger, 1: no use in the ledger", "90.0 (val 0, 2 threads) |"]

@@ -3,8 +3,9 @@ extras/experiments/results.py; not a script).
 
 The rule, stated once (docs/RESULTS.md and docs/COMPARISON.md, "What counts as a finding"): with two
 seeds, a difference is a finding only where its mean exceeds both the seeds' spread (half their
-range) and the binomial standard error of one evaluation (`finding`); "the same sign on both seeds"
-happens half the time by chance and is not evidence on its own.
+range) and the binomial standard error of one evaluation (`finding`, which every generated verdict
+comes from); "the same sign on both seeds" happens half the time by chance and is not evidence on
+its own.
 """
 
 import math
@@ -26,9 +27,8 @@ def paired_difference(
     records, phase, run="drloc", baseline="drloc_base", variant="recipe", numbers=False
 ):
     """DRLoc's comparison: top-1 of `run` minus `baseline` seed by seed (a seed fixes the backbone's
-    initialisation and the batch order of both runs), as mean ± standard
-    deviation over the seeds both have, and whether the mean is beyond two standard errors
-    (numbers: the differences instead, in seed order)."""
+    initialisation and the batch order of both runs), as `told` states it with the binomial error
+    of one evaluation on 10000 images (numbers: the differences instead, in seed order)."""
     top1 = {}
     for r in records:
         if (
@@ -43,13 +43,8 @@ def paired_difference(
     diffs = [top1[run][s] - top1[baseline][s] for s in seeds]
     if numbers:
         return diffs
-    mean, std = statistics.mean(diffs), statistics.stdev(diffs)
-    verdict = "beyond" if abs(mean) > 2 * std / len(seeds) ** 0.5 else "within"
-    return (
-        f"{run} - {baseline}, paired by seed ({len(seeds)} seeds: "
-        f"{', '.join(f'{d:+.2f}' for d in diffs)}): {mean:+.2f} ± {std:.2f} points (mean ± std), "
-        f"{verdict} two standard errors of the mean"
-    )
+    values = [top1[name][s] for name in (run, baseline) for s in seeds]
+    return f"{run} - {baseline}, paired by seed: {told(diffs, binomial_error(values, 10000))}"
 
 
 def drloc_setting(record):
@@ -77,10 +72,23 @@ def binomial_error(top1s, images):
 
 
 def finding(diffs, error):
-    """The documents' one rule for two seeds: a difference is a "finding" only if its mean exceeds
-    both the seeds' spread (half their range) and one evaluation's binomial error; else "noise"."""
-    mean, spread = statistics.mean(diffs), (max(diffs) - min(diffs)) / 2
-    return "finding" if abs(mean) > spread and abs(mean) > error else "noise"
+    """The documents' one rule for two seeds, the only source of a comparative verdict: "finding"
+    where the mean difference exceeds both the seeds' spread (half their range) and one
+    evaluation's binomial error, "no finding" where it exceeds neither, "undecided" where it
+    exceeds one of the two (or one seed only): more seeds would decide."""
+    if len(diffs) < 2:
+        return "undecided"
+    mean, spread = abs(statistics.mean(diffs)), (max(diffs) - min(diffs)) / 2
+    if mean > spread and mean > error:
+        return "finding"
+    return "no finding" if mean <= spread and mean <= error else "undecided"
+
+
+def told(diffs, error):
+    """A difference as the documents state it, generated: mean, each seed, the binomial error and
+    the verdict of `finding`, e.g. "+0.82 (+1.53, +0.10; SE 0.49): finding"."""
+    seeds = ", ".join(f"{d:+.2f}" for d in diffs)
+    return f"{statistics.mean(diffs):+.2f} ({seeds}; SE {error:.2f}): {finding(diffs, error)}"
 
 
 def top1_of(records, phase, settings):
@@ -137,10 +145,9 @@ def drloc_regime(records):
             f"so far: {', '.join(logged) or 'nothing'}."
         )
 
-    def say(diffs):
-        spread = (max(diffs) - min(diffs)) / 2
-        seeds = ", ".join(f"{d:+.2f}" for d in diffs)
-        return f"{statistics.mean(diffs):+.2f} (seeds {seeds}; ± {spread:.2f})"
+    def say(diffs, phase="val", setting=None):
+        values = top1_of(records, phase, setting) if setting else [50.0]
+        return told(diffs, binomial_error(values, DRLOC_EVAL_IMAGES))
 
     def compare(a, b, what):
         gap = [x - y for x, y in zip(found[a], found[b])]
@@ -148,10 +155,10 @@ def drloc_regime(records):
         verdict = finding(gap, error)
         mean = statistics.mean(gap)
         if verdict == "finding":
-            said = "holds here, a finding" if mean > 0 else "the opposite holds here, a finding"
+            said = "holds here" if mean > 0 else "the opposite holds here"
         else:
-            said = "within noise: not decided here"
-        return f"- {what}: {said} (gap {say(gap)}; one evaluation's binomial error {error:.2f})"
+            said = "not decided here"
+        return f"- {what}: {said} (gap {told(gap, error)})"
 
     def on(data):
         return "" if data == "fashion_mnist" else f", {data}"
@@ -161,7 +168,7 @@ def drloc_regime(records):
         "5000 train images:"
     ]
     lines += [
-        f"- `{arch}`, {n} epochs{on(data)}: {say(diffs)}"
+        f"- `{arch}`, {n} epochs{on(data)}: {say(diffs, 'val', (arch, data, n))}"
         for (arch, data, n), diffs in found.items()
     ]
     lines += [
@@ -186,11 +193,13 @@ def drloc_regime(records):
             for a, b in zip(mine, mine[1:])
         ]
     lines += [
-        f"- the test split (its first 5000 images), `{arch}`, {n} epochs{on(data)}: {say(diffs)}"
+        f"- the test split (its first 5000 images), `{arch}`, {n} epochs{on(data)}: "
+        f"{say(diffs, 'test', (arch, data, n))}"
         for (arch, data, n), diffs in tested.items()
     ]
     lines.append(
-        "- rule: a gap is a finding only if its mean exceeds both the seeds' spread (±) and one "
-        f"evaluation's binomial error on {DRLOC_EVAL_IMAGES} images"
+        "- rule (claims.finding): a finding where the mean exceeds both the seeds' spread (half "
+        f"their range) and one evaluation's binomial error (SE) on {DRLOC_EVAL_IMAGES} images, no "
+        "finding where it exceeds neither, undecided otherwise"
     )
     return "\n".join(lines)

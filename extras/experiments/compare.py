@@ -26,9 +26,7 @@ The tables refuse to pair networks whose state dicts (keys, shapes) or image tok
 pixels have a k-NN row.
 
 A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from
-its checkpoint (the method script refuses changed flags) and is logged as `resumed`, without a train
-time. With --relog a row whose lines were written before stamps existed runs again with the same
-command; its stamped line replaces them in the tables, and the `relogged` block shows both figures.
+its checkpoint (the method script refuses changed flags) and is logged as `resumed`.
 
 Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
 each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
@@ -68,18 +66,18 @@ import provenance  # noqa: E402  (this file's folder is on sys.path when it runs
 import split_ledger  # noqa: E402
 import results  # noqa: E402
 import compare_tables  # noqa: E402
-import four_k  # noqa: E402
-from evaluator import (CORRESPONDENCE_IMAGES, EVAL, LINEAR, RAW_FIGURES,  # noqa: E402,F401
-                       Evaluator)
+import appendix  # noqa: E402
+from readouts import CORRESPONDENCE_IMAGES, EVAL, LINEAR, Evaluator  # noqa: E402,F401
 from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
-                            baseline_row, comparison_table, costs_table, differences_table,
-                            log_key, summary_table)
+                            baseline_row, comparison_table, log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
 # the blocks of the comparison outside COMPARISON.md: the README's "Results at a glance", RESULTS.md
-SUMMARY_FILES = {ROOT / "README.md": ("summary", "added", "long_glance"),
+SUMMARY_FILES = {ROOT / "README.md": ("summary", "long_glance"),
                  ROOT / "docs" / "RESULTS.md": ("summary",)}
+# the detail blocks, out of the reader's path (every generator writes its own there)
+APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"
 LOG_KEYS = ("data", "row", "variant", "phase", "seed")   # every line of the log has them
 TAG = "compare.py"
 COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
@@ -154,9 +152,8 @@ def train_command(row, args, seed):
     row = RANDOM_ROWS.get(row, row)
     out = row_paths(row, args, seed)[0]
     return ["python", METHOD_FLAGS[row][1], *training_flags(row, args.steps, args.curve_every),
-            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(), "--seed",
-            str(seed),
-            "--output_dir", str(out)]
+            *data_flags(args.data, args.phase, args.data_dir), *args.extra.split(),
+            "--seed", str(seed), "--output_dir", str(out)]
 
 
 def finished(record, evaluate, started):
@@ -165,15 +162,19 @@ def finished(record, evaluate, started):
             **provenance.stamp(started)}
 
 
-def ledger_use(row, args, seed, evaluation="row"):
-    """On the test phase: the ledger's line of this evaluation, appended before it starts (a second
-    use of the same row, seed and budget is refused without --reason); its id, or None on val."""
+def ledger_use(row, args, seed, evaluation="row", check_only=False):
+    """On the test phase: the ledger's line of this evaluation, appended as it is about to read the
+    first test image (a second use of the same row, seed and budget is refused without --reason;
+    check_only: refused before any training, nothing recorded); its id, or None on val."""
     if args.phase != "test":
         return None
     command = " ".join(train_command(row, args, seed)) if row != "pixels" else \
         f"python extras/experiments/compare.py --data {args.data} --phase test --rows pixels"
     use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
            "evaluation": evaluation, "command": command}
+    if check_only:
+        split_ledger.check_test_use(args.ledger, use, args.reason)
+        return None
     return split_ledger.record_test_use(args.ledger, use, args.reason)
 
 
@@ -182,13 +183,16 @@ def run_row(row, args, seed):
     record."""
     started = provenance.start()
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase,
-              "seed": seed,
-              "steps": args.steps}
-    use = ledger_use(row, args, seed)
-    if use:
-        record["test_use"] = use
+              "seed": seed, "steps": args.steps}
+    ledger_use(row, args, seed, check_only=True)
+
+    def before_test():
+        use = ledger_use(row, args, seed)
+        if use:
+            record["test_use"] = use
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
+        before_test()
         by_k = pixels_knn(data)
         by_k = {str(k): value for k, value in by_k.items()}
         record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k)
@@ -206,6 +210,7 @@ def run_row(row, args, seed):
         record["random_init"] = True
         source = " ".join(train_command(row, args, seed))
         record.update(start_of=source, network=provenance.starting_checkpoint(source, weights))
+        before_test()
         by_k = evaluate.knn(weights, random_init=True)
         record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k,
                       correspondence=evaluate.correspondence(weights, random_init=True))
@@ -227,6 +232,7 @@ def run_row(row, args, seed):
     epochs = [json.loads(line) for line in (out / "log.txt").read_text().splitlines()]
     record["peak_memory_mb"] = round(max(e["peak_memory_mb"] for e in epochs))
     record["epochs"] = [{k: v for k, v in e.items() if isinstance(v, float)} for e in epochs]
+    before_test()
     by_k = evaluate.knn(weights)
     record.update(knn_top1=by_k["20"], knn_top1_by_k=by_k,
                   correspondence=evaluate.correspondence(weights), **evaluate.collapse(weights))
@@ -263,8 +269,7 @@ def check_kept(record, kept):
     line."""
     if not (record.get("started_utc") and record.get("utc")):
         sys.exit(f"error: the line of {record['row']} seed {record['seed']} has no times (logged "
-                 "before stamps): which run kept its checkpoints is unknown; --relog "
-                 "--curve_seeds with its seed logs it with a curve")
+                 "before stamps): which run kept its checkpoints is unknown")
     start, end = (provenance.utc_seconds(record[k]) for k in ("started_utc", "utc"))
     # a resumed run kept some before its last process
     start = 0 if record.get("resumed") else start
@@ -337,30 +342,36 @@ def pixels_knn(data):
 # ------------------------------------------------------------------------------------------------
 def reproducing_commands(records):
     defaults = get_args_parser().parse_args([])
-    return compare_tables.reproducing_commands(records, defaults.curve_every, defaults.curve_seeds)
+    return appendix.reproducing_commands(records, defaults.curve_every, defaults.curve_seeds)
+
+
+def findings_runs(records):
+    """(data, phase, variant) of every run the documents show, test first, in the log's order."""
+    runs = {}
+    for r in records:
+        if r["row"] in METHOD_FLAGS:
+            runs.setdefault((r["data"], r["phase"], r["variant"]), r["steps"])
+    return sorted(runs, key=lambda run: (list(DATA).index(run[0]), run[1] != "test", runs[run]))
 
 
 def generated_blocks(records, ledger=None):
     """{block: markdown} of the documents, from the log's records and the test ledger (its path;
-    default: the committed one)."""
+    default: the committed one). A rerun of a setting (DINO's four k) is shown in the appendix."""
     entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
-    withdrawn = compare_tables.withdrawn_table(records)
     records, relogged = compare_tables.current(records)
-    blocks = {f"{data}_{phase}": comparison_table(records, data, phase) for data,
-              (_, holdout) in DATA.items()
+    shown, again = compare_tables.split_reruns(records)
+    blocks = {f"{data}_{phase}": comparison_table(records, data, phase, entries, shown)
+              for data, (_, holdout) in DATA.items()
               for phase in ("test", "val") if phase == "test" or holdout}
-    blocks.update(summary=summary_table(records), differences=differences_table(records),
-                  costs=costs_table(records),
-                  added=compare_tables.added_table(records),
-                  **{f"differences_{data}": differences_table(records, data)
-                     for data in ("fashion_mnist_8k", "shapes")},
-                  long_budget=compare_tables.long_budget_table(records),
-                  long_glance=compare_tables.long_glance_table(records),
-                  long_budget_differences=differences_table(
-                      records, runs=compare_tables.long_runs(records)),
-                  relogged=compare_tables.relogged_table(relogged), withdrawn=withdrawn,
-                  knn_k=four_k.knn_k_table(records),
-                  knn_k_pixels=four_k.knn_k_pixels_table(records),
+    blocks.update(summary=summary_table(shown, entries), costs=appendix.costs_table(records),
+                  findings=compare_tables.findings_table(shown, findings_runs(shown)),
+                  long_budget=compare_tables.long_budget_table(shown, entries),
+                  long_glance=compare_tables.long_glance_table(shown, entries),
+                  reruns=comparison_table(records, "fashion_mnist", "test", entries, again),
+                  relogged=appendix.relogged_table(relogged),
+                  withdrawn=split_ledger.withdrawn_table(entries, {TAG, "quickstart.py"}),
+                  knn_k=appendix.knn_k_table(records),
+                  knn_k_pixels=appendix.knn_k_pixels_table(records),
                   test_uses=split_ledger.ledger_table(entries, {TAG, "quickstart.py"}, "steps"))
     commands = reproducing_commands(records)
     blocks["commands"] = (("```bash\n" + "\n".join(commands) + "\n```") if commands
@@ -397,10 +408,6 @@ def get_args_parser():
                         "--curve_every steps by the logged --rows and "
                         "--seeds that have no learning curve yet (seeds not in "
                         "--curve_seeds), into their log lines")
-    p.add_argument("--relog", action="store_true",
-                   help="run again the --rows and --seeds whose log lines have no timestamp "
-                        "(written before stamps existed): the stamped line replaces them in the "
-                        "tables, which show both figures")
     p.add_argument("--variant", default="recipe",
                    help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="",
@@ -457,16 +464,15 @@ def main():
             key = (args.data, row, args.variant, args.phase, seed)
             lines = [r for r in logged
                      if log_key(r) == key and (row != "pixels" or "knn_top1_by_k" in r)]
-            # --relog: unstamped lines only
-            if lines and (any(r.get("utc") for r in lines) or not args.relog):
+            if lines:
                 print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: logged already",
                       flush=True)
                 continue
             record = run_row(row, args, seed)
             if args.extra:
                 record["extra"] = args.extra
-            with provenance.locked(args.log), open(args.log, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with provenance.locked(args.log):
+                provenance.append_line(args.log, record)
             if record.get("test_use"):
                 split_ledger.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN "
@@ -477,7 +483,7 @@ def main():
                   flush=True)
     if args.table:      # every block is made before any file is written
         blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
-        documents = [(COMPARISON_MD, blocks),
+        documents = [(COMPARISON_MD, blocks), (APPENDIX_MD, blocks),
                      *((path, {n: blocks[n] for n in names})
                        for path, names in SUMMARY_FILES.items())]
         texts = [path.read_text() for path, _ in documents]

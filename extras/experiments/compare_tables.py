@@ -1,5 +1,5 @@
-"""The generated blocks of docs/COMPARISON.md, README.md and docs/RESULTS.md that are made from
-the log of extras/experiments/compare.py's controlled comparison (its rows: compare_rows.py; not a
+"""The rows of extras/experiments/compare.py's controlled comparison, and the generated blocks of
+docs/COMPARISON.md, docs/APPENDIX.md, README.md and docs/RESULTS.md made from its log (not a
 script).
 
 Every figure in a block is a logged value or is computed here from logged, unrounded values: a gain
@@ -7,21 +7,89 @@ is a row's value minus that of its own network at random initialisation (same se
 `baseline_row`), a difference between methods is the difference of their gains seed by seed; both
 are rounded only when written. A pairing of two different networks (state-dict keys and shapes, or
 image token: provenance.network_signature) is refused with one line. Lines logged before stamps
-existed are marked "no timestamp"; once their row is run again (`compare.py --relog`) the stamped
-line replaces them, and `relogged_table` sets the two side by side.
+existed are marked "no timestamp"; where their row ran again the stamped line replaces them
+(appendix.relogged_table sets the two side by side).
 """
 import json
-import re
 import statistics
 import sys
 
+import claims
 import provenance
 import results
+import split_ledger
 
-from compare_rows import (BACKBONES, CURVE_FIELDS, FIELDS, METHOD_FLAGS,  # noqa: F401
-                          RANDOM_ROWS, ROWS, SUMMARY_COLUMNS, always, evaluated, trained)
+# ------------------------------------------------------------------------------------------------
+# The rows: backbones, each method's own flags, the random-init rows, the summary's columns,
+# and the fields of a log line that the tables and the curves read
+# ------------------------------------------------------------------------------------------------
+BACKBONES = {"vit": "--arch vit_pico --patch_size 4", "swin": "--arch swin_pico3 --fit_window true"}
+# row: (backbone, script, the method's own flags)
+METHOD_FLAGS = {
+    "vit_dino": ("vit", "dino.py", ""),
+    "vit_selfpatch": ("vit", "selfpatch.py", "--patch_out_dim 1024"),     # K_p = K
+    "vit_esvit": ("vit", "esvit.py", "--use_region_loss true"),
+    "vit_glsd": ("vit", "glsd.py", "--local_matching geometric"),
+    "swin_dino": ("swin", "dino.py", ""),
+    "swin_esvit": ("swin", "esvit.py", "--use_region_loss true"),
+    "swin_glsd_geometric": ("swin", "glsd.py", "--local_matching geometric"),
+    "swin_glsd_similarity": ("swin", "glsd.py", "--local_matching similarity"),
+}
+# random-init row: the row whose network (at its first step) it evaluates
+RANDOM_ROWS = {"vit_random": "vit_dino", "swin_random": "swin_dino",
+               "vit_selfpatch_random": "vit_selfpatch"}
+ROWS = [*METHOD_FLAGS, *RANDOM_ROWS, "pixels"]
+# column: {backbone: its row}; a backbone without the method shows n/a
+SUMMARY_COLUMNS = {"DINO": {"vit": "vit_dino", "swin": "swin_dino"},
+                   "EsViT": {"vit": "vit_esvit", "swin": "swin_esvit"},
+                   "SelfPatch": {"vit": "vit_selfpatch"},
+                   "GLSD geometric": {"vit": "vit_glsd", "swin": "swin_glsd_geometric"},
+                   "GLSD similarity": {"swin": "swin_glsd_similarity"}}
+
+
+def trained(r):
+    return r.get("row") in METHOD_FLAGS
+
+
+def evaluated(r):
+    return r.get("row") != "pixels"
+
+
+def always(r):
+    return True
+
+
+# every field of a log line that the tables and the curves read: (key, kind, for which lines,
+# optional); provenance.check_fields refuses a line without them in one line
+FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
+          ("variant", "text", always, False), ("phase", {"val", "test"}, always, False),
+          ("seed", "integer", always, False), ("steps", "integer", always, False),
+          ("knn_top1", "number", always, False), ("utc", "text", always, True),
+          ("withdrawn", "text", always, True),
+          *((f"correspondence.{p}.{k}", "number", evaluated, False)
+            for p, k in (("esvit", "top10_accuracy"), ("esvit", "accuracy"),
+                         ("overlap", "accuracy"))),
+          ("random_init", "true", lambda r: r.get("row") in RANDOM_ROWS, False),
+          ("linear_top1", "number or null", evaluated, True),
+          ("commands", "list", lambda r: trained(r) and "network" not in r, False),
+          ("network", "object", evaluated, True), ("start_of", "text", evaluated, True),
+          ("train_seconds", "number", evaluated, True),
+          ("peak_memory_mb", "number", evaluated, True),
+          ("teacher_entropy", "number", evaluated, True),
+          ("mean_target_entropy", "number", evaluated, True),
+          ("ln_k", "number", lambda r: "teacher_entropy" in r or "mean_target_entropy" in r, False),
+          ("cpu_seconds", "object", evaluated, True), ("curve", "list", trained, True),
+          ("machine", "object", lambda r: "utc" in r, True), ("extra", "text", always, True),
+          ("knn_top1_by_k", "object", always, True)]
+CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", always, False),
+                ("overlap_accuracy", "number", always, False)]
+
 
 cell = results.cell
+TAG = "compare.py"
+# images a read-out is evaluated on: its binomial error (the correspondence: its first 500)
+IMAGES = {"fashion_mnist": 10000, "fashion_mnist_8k": 2000, "shapes": 2000}
+CORRESPONDENCE_IMAGES = 500
 
 
 def read_checked(path, what="--log"):
@@ -48,45 +116,31 @@ def log_key(record):
 
 def current(records):
     """(the log's lines the tables show, [(a line without a timestamp, its row run again and
-    stamped)]): `compare.py --relog` runs the rows of such lines again with the same command."""
+    stamped)])."""
     kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
     return provenance.superseded(kept, log_key)
 
 
-def withdrawn_table(records):
-    """The lines taken out of the tables (restored to the log with the reason): their figures."""
-    lines = ["| row | data | phase | variant | seed | steps | 20-NN top-1 (%) | linear top-1 (%) | "
-             "logged (UTC) | why withdrawn |", "|---" * 10 + "|"]
+def split_reruns(records):
+    """(the lines shown as results, the reruns): a test line that trains again the setting (data,
+    row, seed, steps, extra flags) of an earlier line of another variant (DINO's four k: the same
+    command, a further use of the test split) is a rerun, shown in the appendix only."""
+    first, shown, again = {}, [], []
     for r in records:
-        if r.get("withdrawn"):
-            linear = f"{r['linear_top1']:.2f}" if r.get("linear_top1") is not None else "—"
-            lines.append(f"| {r['row']} | {r['data']} | {r['phase']} | {r['variant']} | "
-                         f"{r['seed']} | {r['steps']} | {r['knn_top1']:.2f} | {linear} | "
-                         f"{provenance.when(r)} | {r['withdrawn']} |")
-    return "\n".join(lines) if len(lines) > 2 else "No line of the log is withdrawn."
+        key = (r["data"], r["row"], r["phase"], r["seed"], r["steps"], r.get("extra", ""))
+        first.setdefault(key, r["variant"])
+        (again if r["phase"] == "test" and first[key] != r["variant"] else shown).append(r)
+    return shown, again
 
 
-def relogged_table(pairs):
-    """Each line logged again with its stamp: its figures then and now, now minus then, and the
-    precision each trained in (a random-init row trains nothing: —)."""
-    lines = ["| row | data | phase | variant | seed | 20-NN top-1 (%): then, now | now minus then "
-             "| linear top-1 (%): then, now | now minus then | precision: then, now | logged again "
-             "(UTC) |",
-             "|---" * 11 + "|"]
-    for old, new in pairs:
-        cells = []
-        for key in ("knn_top1", "linear_top1"):
-            then, now = old.get(key), new.get(key)
-            cells += [f"{then:.2f}, {now:.2f}",
-                      f"{now - then:+.2f}"] if None not in (then, now) else ["—", "—"]
-        precision = ("—" if new.get("random_init")
-                     else f"{old.get('precision', 'not logged')}, {new.get('precision')}")
-        lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | "
-                     f"{new['seed']} | "
-                     + " | ".join(cells) + f" | {precision} | {logged_dates([new])} |")
-    return "\n".join(lines) if pairs else ("No line logged without a timestamp has been run again "
-                                           "yet (`python extras/experiments/compare.py --relog "
-                                           "...`).")
+def test_uses(rs, entries, value_key="knn_top1"):
+    """Which test use of its key each line is, seed by seed ("0: use 2 of 3, 1: ..."): the
+    ledger's count beside the figure."""
+    notes = []
+    for r in sorted(rs, key=lambda r: r["seed"]):
+        key = (TAG, r["data"], r["row"], r["seed"], r["steps"], "row")
+        notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r[value_key])}")
+    return ", ".join(notes)
 
 
 def network_of(record, records):
@@ -115,13 +169,21 @@ def baselines(records, data, phase):
     return found
 
 
+def value(record, key):
+    """A read-out of a line: knn_top1, linear_top1, or "overlap" (the `overlap` all-token accuracy
+    of its correspondence); None where it has none."""
+    if key == "overlap":
+        return ((record.get("correspondence") or {}).get("overlap") or {}).get("accuracy")
+    return record.get(key)
+
+
 def gains(rs, base, records, key="knn_top1"):
-    """rs[i][key] minus that of its own network's random init, seed by seed; None unless every
-    record has one. Exits with one line if a pair would be two different networks."""
+    """value(rs[i], key) minus that of its own network's random init, seed by seed; None unless
+    every record has one. Exits with one line if a pair would be two different networks."""
     out = []
     for r in rs:
         b = base.get((baseline_row(r["row"]), r["seed"]))
-        if b is None or r.get(key) is None or b.get(key) is None:
+        if b is None or value(r, key) is None or value(b, key) is None:
             return None
         mine, theirs = network_of(r, records), network_of(b, records)
         if mine != theirs:
@@ -129,7 +191,7 @@ def gains(rs, base, records, key="knn_top1"):
                      f"{b['row']}: another network ({mine['arch']} {mine['image_token']} "
                      f"{mine['keys_sha256']} vs {theirs['arch']} {theirs['image_token']} "
                      f"{theirs['keys_sha256']}); log its own random-init row")
-        out.append(r[key] - b[key])
+        out.append(value(r, key) - value(b, key))
     return out
 
 
@@ -164,15 +226,21 @@ def train_minutes(rs):
                      for r, t in zip(rs, threads))
 
 
-def comparison_table(records, data, phase):
+def comparison_table(records, data, phase, entries=None, shown=None):
     """The markdown table of one comparison: a line per (variant, row) in the order the log first
-    holds the variants and ROWS' order within one."""
+    holds the variants and ROWS' order within one; the lines of `shown` (default: all), each gain
+    over a random init of `records`. With the ledger's `entries`, a test table says which test
+    use of its row, seed and budget each figure is."""
+    uses = entries is not None and phase == "test"
     lines = ["| row | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | linear top-1 (%) | "
              "linear gain | "
              "flip: top-10 / all-token acc. (%) | overlap: all-token acc. (%) | h / ln K | "
              "h̄ / ln K | "
-             "train time (min) | peak memory (MB) | logged (UTC) |", "|---" * 15 + "|"]
-    chosen = [r for r in records if r["data"] == data and r["phase"] == phase]
+             "train time (min) | peak memory (MB) | logged (UTC) |"
+             + (" test use (seed: use of the row's uses) |" if uses else ""),
+             "|---" * (15 + uses) + "|"]
+    chosen = [r for r in (records if shown is None else shown)
+              if r["data"] == data and r["phase"] == phase]
     base = baselines(records, data, phase)
     groups = {}
     for r in chosen:
@@ -184,7 +252,8 @@ def comparison_table(records, data, phase):
                 continue
             if row == "pixels":
                 pixels = f"| raw pixels | — | — | — | {rs[0]['knn_top1']:.1f} |"
-                lines.append(pixels + " — |" * 9 + f" {logged_dates(rs)} |")
+                lines.append(pixels + " — |" * 9 + f" {logged_dates(rs)} |"
+                             + (f" {test_uses(rs[:1], entries)} |" if uses else ""))
                 continue
             steps = "—" if row in RANDOM_ROWS else "/".join(sorted({str(r["steps"]) for r in rs}))
             chosen = phase == "val" or row in RANDOM_ROWS or validated(records, row, variant)
@@ -205,41 +274,60 @@ def comparison_table(records, data, phase):
                          f"{cell([r['knn_top1'] for r in rs])} | {signed(knn_gain)} | "
                          f"{cell([r.get('linear_top1') for r in rs])} | {signed(linear_gain)} | "
                          f"{flip} | {overlap} | {entropy[0]} | {entropy[1]} | {minutes} | {memory} "
-                         f"| {logged_dates(rs)} |")
+                         f"| {logged_dates(rs)} |"
+                         + (f" {test_uses(rs, entries)} |" if uses else ""))
     if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
     return "\n".join(lines)
 
 
-def summary_table(records, data="fashion_mnist", phase="test", variant="recipe"):
-    """The README's glance at the comparison: per backbone, the random-init 20-NN of DINO's network
-    and each method's 20-NN with its gain over its own network at random init (a row whose network
-    is not DINO's names its own random init), mean ± half-range over the seeds logged for both."""
+def verdict_of(diffs, rs, data, key):
+    """`diffs` (seed by seed) as the rule judges them: "+0.82: finding" (claims.finding, with the
+    binomial error of one evaluation of the read-out `key` at the worst accuracy of `rs`)."""
+    if not diffs:
+        return "—"
+    error = claims.binomial_error([value(r, key) for r in rs],
+                                  CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data])
+    return f"{statistics.mean(diffs):+.2f}: {claims.finding(diffs, error)}"
+
+
+def summary_table(records, entries=(), data="fashion_mnist", phase="test", variant="recipe"):
+    """The README's glance at the comparison: per backbone and method, the 20-NN, its gain over its
+    own network at random init, what it adds over DINO (20-NN / linear gain minus DINO's, with the
+    rule's verdict) and which test use of its row each seed's figure is."""
     chosen = [r for r in records if (r["data"], r["phase"],
                                      r["variant"]) == (data, phase, variant) and "backbone" in r]
     base = baselines(records, data, phase)
-    lines = ["| backbone | random init | " + " | ".join(SUMMARY_COLUMNS) + " |",
-             "|---|---|" + "---|" * len(SUMMARY_COLUMNS)]
+    found = differences(records, data, phase, variant)
+    lines = ["| backbone | method | 20-NN top-1 (%) | gain over its random init | over DINO: 20-NN "
+             "/ linear | test use (seed: use of the row's uses) |", "|---" * 6 + "|"]
     for backbone, flags in BACKBONES.items():
-        seeds = sorted(seed for row, seed in base if row == f"{backbone}_random")
-        if not seeds:
+        random = sorted((r for (row, _), r in base.items() if row == f"{backbone}_random"),
+                        key=lambda r: r["seed"])
+        if not random:
             continue
-        cells = [cell([base[(f"{backbone}_random", seed)]["knn_top1"] for seed in seeds])]
-        for rows in SUMMARY_COLUMNS.values():
-            if backbone not in rows:
-                cells.append("n/a")
+        arch = f"`{flags.split()[1]}`"
+        lines.append(f"| {arch} | random init | {cell([r['knn_top1'] for r in random])} | — | "
+                     f"— | {test_uses(random, entries)} |")
+        for method, rows in SUMMARY_COLUMNS.items():
+            rs = sorted((r for r in chosen if r["row"] == rows.get(backbone)),
+                        key=lambda r: r["seed"])
+            if not rs:
                 continue
-            rs = [r for r in chosen if r["row"] == rows[backbone]]
-            gain = gains(rs, base, records) if rs else None
-            own = baseline_row(rows[backbone])
-            note = (" over its own random init "
-                    f"{cell([base[(own, r['seed'])]['knn_top1'] for r in rs])}"
-                    if gain and own != f"{backbone}_random" else "")
-            untried = "" if validated(records, rows[backbone],
-                                      variant) else ", not run on validation"
-            cells.append(f"{cell([r['knn_top1'] for r in rs])} ({signed(gain)}{note}{untried})"
-                         if gain else "—")
-        lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
+            gain = gains(rs, base, records)
+            own = baseline_row(rs[0]["row"])
+            own_random = cell([base[(own, r["seed"])]["knn_top1"] for r in rs])
+            note = (f" (over its own random init {own_random})"
+                    if own != f"{backbone}_random" else "")
+            untried = ("" if validated(records, rs[0]["row"], variant)
+                       else " (not run on validation)")
+            added = "—"
+            if rs[0]["row"] in found:
+                dino = [r for r in chosen if r["row"] == f"{backbone}_dino"]
+                added = " / ".join(verdict_of(found[rs[0]["row"]][1][k][1], rs + dino, data, k)
+                                   for k in ("knn_top1", "linear_top1"))
+            lines.append(f"| {arch} | {method}{untried} | {cell([r['knn_top1'] for r in rs])} | "
+                         f"{signed(gain)}{note} | {added} | {test_uses(rs, entries)} |")
     if len(lines) == 2:
         return f"No {phase}-phase run of the comparison on {data} is logged yet."
     return "\n".join(lines)
@@ -268,61 +356,14 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
     return found
 
 
-def differences_table(records, data="fashion_mnist", runs=(("test", "recipe"),)):
-    """What a method adds over DINO on the same backbone, 20-NN and linear probe, seed by seed, for
-    each (phase, variant) of `runs` (a phase and a variant column when there are several)."""
-    several = len(runs) > 1
-    lines = ["| backbone | row | " + ("phase | variant | " if several else "")
-             + "seeds | 20-NN gain | minus DINO's (seed 0, 1, ...) | linear gain | minus DINO's "
-             "(seed 0, 1, ...) |",
-             "|---" * (7 + 2 * several) + "|"]
-    for phase, variant in runs:
-        for row, (seeds, by_key) in differences(records, data, phase, variant).items():
-            cells = []
-            for mine, diffs in by_key.values():
-                each = f" ({', '.join(f'{d:+.1f}' for d in diffs)})" if diffs else ""
-                cells += [signed(mine), signed(diffs) + each]
-            chosen = phase == "val" or validated(records, row, variant)
-            marked = variant if chosen else f"{variant} (test only)"
-            run = f"{phase} | {marked} | " if several else ""
-            lines.append(f"| `{BACKBONES[METHOD_FLAGS[row][0]].split()[1]}` | {row} | {run}{seeds} "
-                         "| "
-                         + " | ".join(cells) + " |")
-    return ("\n".join(lines) if len(lines) > 2
-            else f"No method row with its DINO row on {data} is logged yet.")
-
-
-def long_runs(records, data="fashion_mnist"):
-    """(phase, variant) of every comparison run longer than the shared 400 steps, validation
-    first."""
-    return sorted({(r["phase"],
-                    r["variant"]) for r in records if r["data"] == data and r["steps"] > 400},
-                  key=lambda run: (run[0] != "val", run[1]))
-
-
-def added_table(records):
-    """The README's glance at differences_table: per backbone and method, its 20-NN gain minus
-    DINO's / its linear-probe gain minus DINO's."""
-    found = differences(records)
-    columns = [c for c in SUMMARY_COLUMNS if c != "DINO"]
-    lines = ["| over DINO: 20-NN / linear | " + " | ".join(columns) + " |",
-             "|---|" + "---|" * len(columns)]
-    for backbone, flags in BACKBONES.items():
-        cells = [" / ".join(signed(found[rows[backbone]][1][k][1])
-                            for k in ("knn_top1", "linear_top1"))
-                 if backbone in rows and rows[backbone] in found
-                 else "n/a" if backbone not in rows else "—"
-                 for rows in (SUMMARY_COLUMNS[c] for c in columns)]
-        lines.append(f"| `{flags.split()[1]}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def long_budget_table(records, data="fashion_mnist"):
+def long_budget_table(records, entries=(), data="fashion_mnist"):
     """The rows trained longer than the shared budget's 400 steps, validation first: 20-NN and its
     gain over the row's own random init, and the 20-NN minus the raw pixels' of the same split (the
-    same k-NN on the pixels of the same 32 px evaluation transform), seed by seed."""
+    same k-NN on the pixels of the same 32 px evaluation transform), seed by seed; on test, which
+    use of the test split each seed's figure is."""
     lines = ["| row | phase | variant | steps | seeds | 20-NN top-1 (%) | 20-NN gain | minus raw "
-             "pixels (seed 0, 1, ...) | linear top-1 (%) | logged (UTC) |", "|---" * 10 + "|"]
+             "pixels (seed 0, 1, ...) | linear top-1 (%) | logged (UTC) | test use (seed: use of "
+             "the row's uses) |", "|---" * 11 + "|"]
     for phase in ("val", "test"):
         base = baselines(records, data, phase)
         groups = {}
@@ -343,12 +384,13 @@ def long_budget_table(records, data="fashion_mnist"):
                          f"{signed(gains(rs, base, records))} | "
                          + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})"
                             if below else "—")
-                         + f" | {cell([r.get('linear_top1') for r in rs])} | {logged_dates(rs)} |")
+                         + f" | {cell([r.get('linear_top1') for r in rs])} | {logged_dates(rs)} | "
+                         + (test_uses(rs, entries) if phase == "test" else "—") + " |")
     return ("\n".join(lines) if len(lines) > 2
             else f"No row longer than 400 steps on {data} is logged yet.")
 
 
-def long_glance_table(records, data="fashion_mnist"):
+def long_glance_table(records, entries=(), data="fashion_mnist"):
     """The README's glance at the longer budget: each row trained past 400 steps on both splits (how
     its budget was reached: COMPARISON.md and the test ledger), with its test 20-NN, that minus
     the test split's raw pixels, and the train time of every seed that logged one."""
@@ -361,8 +403,8 @@ def long_glance_table(records, data="fashion_mnist"):
             by_phase = groups.setdefault((r["row"], r["variant"], r["steps"]), {})
             by_phase.setdefault(r["phase"], []).append(r)
     lines = ["| backbone | method | steps | seeds: validation, test | test 20-NN top-1 (%) | minus "
-             "raw pixels (seed 0, 1, ...) "
-             "| train time (min): split, seed, threads |", "|---" * 7 + "|"]
+             "raw pixels (seed 0, 1, ...) | test use (seed: use of the row's uses) "
+             "| train time (min): split, seed, threads |", "|---" * 8 + "|"]
 
     def order(group):
         (row, _, steps), _ = group
@@ -382,85 +424,66 @@ def long_glance_table(records, data="fashion_mnist"):
                      f"| {len(val)}, {len(test)} | {cell([r['knn_top1'] for r in test])} | "
                      + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})"
                         if below else "—")
-                     + f" | {times or '—'} |")
+                     + f" | {test_uses(test, entries)} | {times or '—'} |")
     return ("\n".join(lines) if len(lines) > 2
             else f"No row longer than 400 steps on {data} has run on both splits yet.")
 
 
-def costs_table(records, data="fashion_mnist", phase="test"):
-    """CPU seconds of every command of a row (cpu_seconds), mean over its seeds: training per step
-    (start-up included), each evaluation, each learning-curve point."""
-    lines = ["| row | variant | seeds | training, per step | 20-NN | linear probe | correspondence "
-             "+ collapse | each learning-curve point | logged (UTC) |", "|---" * 9 + "|"]
-    groups = {}
-    for r in records:
-        if (r["data"], r["phase"]) == (data, phase) and "cpu_seconds" in r:
-            groups.setdefault((r["row"], r["variant"]), []).append(r)
-
-    def mean(rs, value):
-        values = [value(r) for r in rs]
-        return None if None in values else statistics.mean(values)
-
-    for (row, variant), rs in groups.items():
-        cpu = [r["cpu_seconds"] for r in rs]
-        columns = [mean(rs, lambda r: r["cpu_seconds"]["train"] / r["steps"]
-                        if "train" in r["cpu_seconds"] else None),
-                   mean(rs, lambda r: r["cpu_seconds"].get("knn")),
-                   mean(rs, lambda r: r["cpu_seconds"].get("linear")),
-                   mean(rs, lambda r: r["cpu_seconds"].get("correspondence", 0)
-                        + r["cpu_seconds"].get("teacher", 0)),
-                   mean([r for r in rs if r.get("curve")],
-                        lambda r: r["cpu_seconds"]["curve"] / len(r["curve"])
-                        if "curve" in r["cpu_seconds"] else None)
-                   if any(r.get("curve") for r in rs) else None]
-        text = [f"{columns[0]:.2f} s" if columns[0] is not None else "—",
-                *(f"{c:.0f} s" if c is not None else "—" for c in columns[1:])]
-        lines.append(f"| `{row}` | {variant} | {len(cpu)} | " + " | ".join(text)
-                     + f" | {logged_dates(rs)} |")
-    return ("\n".join(lines) if len(lines) > 2
-            else f"No {phase}-phase row on {data} logs its CPU seconds yet.")
+READOUTS = {"knn_top1": "20-NN", "linear_top1": "linear probe", "overlap": "overlap"}
 
 
-def kept_every(record):
-    """The steps between the checkpoints a row's training kept (--curve_every): its curve's first
-    step, else its training command's --saveckp_freq epochs of --max_steps_per_epoch steps."""
-    if record.get("curve"):
-        return record["curve"][0]["step"]
-    command = " ".join(record.get("commands", [])[:1])
-    found = [re.findall(rf"{flag} (\d+)", command)
-             for flag in ("--saveckp_freq", "--max_steps_per_epoch")]
-    return int(found[0][-1]) * int(found[1][-1]) if all(found) else None
+def findings(records, data, phase, variant):
+    """Every comparison the tables hold for one run (data, phase, variant), as the rule judges it:
+    each trained row against its own network at random init, each method against DINO on its
+    backbone (gain minus DINO's gain), and, past the shared 400 steps, each row against the raw
+    pixels (20-NN): [(row, compared with, {read-out: claims.told text or None})]."""
+    chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == (data, phase, variant)
+              and r["row"] in METHOD_FLAGS]
+    base = baselines(records, data, phase)
+    pixels = next((r for r in records
+                   if (r["data"], r["phase"], r["row"]) == (data, phase, "pixels")), None)
+    by_row = {}
+    for r in sorted(chosen, key=lambda r: r["seed"]):
+        by_row.setdefault(r["row"], []).append(r)
+    said = []
+
+    def told(diffs, rs, key):
+        if not diffs:
+            return None
+        error = claims.binomial_error([value(r, key) for r in rs],
+                                      CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data])
+        return claims.told(diffs, error)
+    for row in (r for r in ROWS if r in by_row):
+        rs = by_row[row]
+        random = [base[(baseline_row(row), r["seed"])] for r in rs
+                  if (baseline_row(row), r["seed"]) in base]
+        said.append((row, f"its random init ({baseline_row(row)})",
+                     {k: told(gains(rs, base, records, k), rs + random, k) for k in READOUTS}))
+        dino = {r["seed"]: r for r in by_row.get(f"{METHOD_FLAGS[row][0]}_dino", [])}
+        if not row.endswith("_dino") and all(r["seed"] in dino for r in rs):
+            theirs = [dino[r["seed"]] for r in rs]
+            said.append((row, f"{METHOD_FLAGS[row][0]}_dino (gain minus its gain)", {
+                k: told([a - b for a, b in zip(gains(rs, base, records, k) or [],
+                                                  gains(theirs, base, records, k) or [])],
+                        rs + theirs, k) for k in READOUTS}))
+        if pixels and rs[0]["steps"] > 400:
+            said.append((row, "the raw pixels (20-NN)", {
+                "knn_top1": told([r["knn_top1"] - pixels["knn_top1"] for r in rs], rs + [pixels],
+                                 "knn_top1")}))
+    return said
 
 
-def reproducing_commands(records, curve_every_default, curve_seeds_default):
-    """One `python extras/experiments/compare.py ...` line per (data, phase, variant, steps,
-    extra), rows and seeds together."""
-    groups = {}
-    for r in records:
-        skip_linear = r["row"] != "pixels" and "linear_top1" not in r
-        key = (r["data"], r["phase"], r["variant"], r["steps"], r.get("extra", ""), skip_linear)
-        group = groups.setdefault(key, ([], set(), set(), set(), set()))
-        rows, seeds, trained_seeds, curve_seeds, curve_every = group
-        if r["row"] not in rows:
-            rows.append(r["row"])
-        seeds.add(r["seed"])
-        if r["row"] in METHOD_FLAGS:
-            trained_seeds.add(r["seed"])
-        if r.get("curve"):                    # the seeds with a learning curve
-            curve_seeds.add(r["seed"])
-        if kept_every(r):
-            curve_every.add(kept_every(r))
-    lines = []
-    for key, (rows, seeds, trained_seeds, curve_seeds, curve_every) in groups.items():
-        data, phase, variant, steps, extra, skip_linear = key
-        line = (f"python extras/experiments/compare.py --data {data} --phase {phase} "
-                f"--steps {steps} --seeds {' '.join(map(str, sorted(seeds)))} "
-                f"--rows {' '.join(rows)}")
-        if curve_every and curve_every != {curve_every_default}:
-            line += f" --curve_every {min(curve_every)}"
-        if curve_seeds != trained_seeds & set(curve_seeds_default):
-            line += " --curve_seeds" + "".join(f" {seed}" for seed in sorted(curve_seeds))
-        if skip_linear:
-            line += " --skip_linear"
-        lines.append(line + results.variant_flags(variant, extra))
-    return lines
+def findings_table(records, runs):
+    """The generated findings of `runs` ([(data, phase, variant)]): one line per comparison, each
+    read-out's mean difference, its seeds, the binomial error and the verdict of claims.finding."""
+    lines = ["| data, split, variant | row | compared with | " + " | ".join(READOUTS.values())
+             + " |", "|---" * (3 + len(READOUTS)) + "|"]
+    for data, phase, variant in runs:
+        steps = next(r["steps"] for r in records
+                     if (r["data"], r["phase"], r["variant"]) == (data, phase, variant))
+        for row, other, told in findings(records, data, phase, variant):
+            cells = [told.get(k) or "—" for k in READOUTS]
+            only = "" if phase == "val" or validated(records, row, variant) else " (test only)"
+            lines.append(f"| {data}, {phase}, {variant} ({steps} steps){only} | {row} | {other} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else "No comparison is logged yet."

@@ -262,6 +262,9 @@ def check_log_writable(path, what="--log"):
     """Before any training: the log each result is appended to can be written, else one line and
     exit 1 (found after an hour's run, a wrong path would lose its result)."""
     path = Path(path)
+    if path.is_symlink():
+        sys.exit(f"error: {what} {path} is a symbolic link: a log is never written through one; "
+                 "nothing was run")
     if not path.parent.is_dir():
         sys.exit(f"error: {what} {path}: its folder {path.parent} does not exist; nothing was run")
     if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
@@ -278,6 +281,9 @@ def locked(log):
     rewrite (`rewrite_log`) replaces the file, so a process that waited on the old one takes the
     lock again on the new."""
     while True:
+        if Path(log).is_symlink():
+            sys.exit(f"error: {log} is a symbolic link: a log is never written through one; "
+                     "remove it")
         f = open(log, "a")
         fcntl.flock(f, fcntl.LOCK_EX)      # released when f is closed
         if os.fstat(f.fileno()).st_ino == os.stat(log).st_ino:
@@ -285,6 +291,22 @@ def locked(log):
         f.close()
     with f:
         yield
+
+
+def append_line(path, record, what="--log"):
+    """Append `record` as one JSON line to `path` (held with `locked`): on a line of its own even
+    after a last line without its newline, and never through a symbolic link (one line, exit 1)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        sys.exit(f"error: cannot append to {what} {path}: {e.strerror}"
+                 + (" (a symbolic link)" if Path(path).is_symlink() else ""))
+    with os.fdopen(fd, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        cut = size and os.pread(fd, 1, size - 1) != b"\n"
+        f.write((("\n" if cut else "") + json.dumps(record) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def rewrite_log(log, lines):

@@ -12,7 +12,6 @@ README.md and docs/COMPARISON.md from the log. Not collected by pytest.
     # a variant
     python extras/experiments/quickstart.py --phase val --variant lr8 --steps 250 \\
         --extra "--lr 0.008"
-    python extras/experiments/quickstart.py --relog    # the lines without a stamp, again
     python extras/experiments/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
@@ -31,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import claims  # noqa: E402
 import compare  # noqa: E402
 import provenance  # noqa: E402
 import split_ledger  # noqa: E402
@@ -43,7 +43,8 @@ TRAIN = ("--arch vit_pico --patch_size 4 {data} --global_crop_size 32 --local_cr
          "--epochs {epochs} --max_steps_per_epoch 50 --warmup_epochs {warmup:g} "
          "--batched_crops true --num_workers 0")
 EVAL = "--resize 32 --crop 32 --nb_knn 20 --num_workers 1"
-TARGETS = {"README.md": ("result",), "docs/COMPARISON.md": ("variants", "datasets")}
+TARGETS = {"README.md": ("result",), "docs/APPENDIX.md": ("variants", "datasets")}
+COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
 LOG_KEYS = ("data", "phase", "variant", "knn_top1", "random_init_knn_top1")
 # every field of a log line that the tables read: (key, kind, for which lines, optional)
 ALWAYS = provenance.always
@@ -77,7 +78,7 @@ def run(args):
     name = f"{args.variant}_{args.data}_{args.phase}_{args.steps}"
     out = Path(args.work_dir) / name
     resumed = (out / "checkpoint.pth").exists() and not args.eval_data
-    if resumed and not args.relog:                  # it would log a training that did not run
+    if resumed:                  # it would log a training that did not run
         raise SystemExit(f"error: {out} already holds a trained run; train again with another "
                          "--work_dir or --variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
@@ -88,17 +89,17 @@ def run(args):
     weights = ["--pretrained_weights", str(out / "checkpoint.pth")]
     evaluation = ["eval_knn.py", *weights, *eval_data, *EVAL.split()]
     baseline = ["eval_knn.py", *weights, "--random_init", *eval_data, *EVAL.split()]
-    use = None
-    if args.phase == "test":        # the ledger's line, before the split is read
-        row = f"dino trained on {args.data}"
-        use = split_ledger.record_test_use(args.ledger, {
-            "driver": "quickstart.py", "data": args.eval_data or args.data, "row": row, "seed": 0,
-            "budget": args.steps, "evaluation": "row", "command": " ".join(["python", *train])},
-            args.reason)
+    use = {"driver": "quickstart.py", "data": args.eval_data or args.data,
+           "row": f"dino trained on {args.data}", "seed": 0, "budget": args.steps,
+           "evaluation": "row", "command": " ".join(["python", *train])}
+    if args.phase == "test":        # refused before training; recorded before the split is read
+        split_ledger.check_test_use(args.ledger, use, args.reason)
     start = time.time()
     provenance.run([sys.executable, *train], out / "train.txt")
     provenance.check_trained(train, out)
     train_seconds = round(time.time() - start, 1)
+    use = (split_ledger.record_test_use(args.ledger, use, args.reason)
+           if args.phase == "test" else None)
     raw = {}
     for key, command in (("knn", evaluation), ("random_init", baseline)):
         raw[key] = knn_line(provenance.run([sys.executable, *command],
@@ -116,17 +117,6 @@ def run(args):
             "raw_output": raw,
             **({"resumed": True} if resumed else {}), **({"test_use": use} if use else {}),
             **provenance.stamp(started)}
-
-
-def unstamped(records):
-    """The arguments that run again each (data, trained on, phase, variant) whose lines all lack a
-    stamp."""
-    stamped = {key(r) for r in records if r.get("utc")}
-    todo = {key(r): r for r in records if key(r) not in stamped}
-    return [{"data": r.get("trained_on", r["data"]),
-             "eval_data": None if r.get("trained_on", r["data"]) == r["data"]
-             else r["data"], "phase": r["phase"], "variant": r["variant"], "steps": r["steps"],
-             "extra": r.get("extra") or ""} for r in todo.values()]
 
 
 def key(r):
@@ -177,23 +167,24 @@ def variants_table(records):
     return "\n".join(lines + superseded_notes(records, "val", lambda r: f"variant {r['variant']}"))
 
 
-def datasets_table(records):
+def datasets_table(records, entries):
     """The test-phase lines, and under the table the lines that a later one superseded."""
     lines = ["| data (k-NN bank and queries) | trained on | variant | 20-NN top-1 (%) | random "
              "init (%) | gain | "
-             "raw output logged | logged (UTC) |", "|---|---|---|---|---|---|---|---|"]
+             "raw output logged | logged (UTC) | test use |", "|---" * 9 + "|"]
     for r in latest(records):
         if r["phase"] == "test":
             lines.append(f"| {r['data']} | {r.get('trained_on', r['data'])} | {r['variant']} | "
                          f"{r['knn_top1']:.2f} | {r['random_init_knn_top1']:.2f} | {gain(r)} | "
-                         f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} |")
+                         f"{'yes' if 'raw_output' in r else 'no'} | {provenance.when(r)} | "
+                         f"{use_of(r, entries).replace('test ', '')} |")
 
     def name(r):
         return f"{r['data']} trained on {r.get('trained_on', r['data'])}"
     return "\n".join(lines + superseded_notes(records, "test", name))
 
 
-def result_line(records):
+def result_line(records, entries):
     r = next((r for r in reversed(records) if (r["data"], r.get("trained_on", r["data"]),
                                                r["phase"], r["variant"])
               == ("fashion_mnist", "fashion_mnist", "test", "quickstart")), None)
@@ -207,13 +198,29 @@ def result_line(records):
              f"{machine['load_average_end'][0]:g} at the end, "
              f"{r.get('precision')}, {r['utc']}" if isinstance(machine, dict) else
              f"{machine or 'machine not logged'}; no timestamp")
-    return (f"20-NN top-1 {r['knn_top1']:.2f}% against {r['random_init_knn_top1']:.2f}% at random "
-            f"initialisation ({gain(r)}), {minutes} of training ({where}).")
+    error = claims.binomial_error([r["knn_top1"], r["random_init_knn_top1"]], 10000)
+    told = claims.told([r["knn_top1"] - r["random_init_knn_top1"]], error)
+    return (f"20-NN top-1 {r['knn_top1']:.2f}% ({use_of(r, entries)}) against "
+            f"{r['random_init_knn_top1']:.2f}% at random initialisation, one seed: {told}; "
+            f"{minutes} of training ({where}).")
 
 
-def generated_blocks(records):
-    return {"result": result_line(records), "variants": variants_table(records),
-            "datasets": datasets_table(records)}
+def use_of(r, entries):
+    """Which test use of the quick start (its data and the data trained on, every budget: the
+    quick start's steps changed) the line is."""
+    row = f"dino trained on {r.get('trained_on', r['data'])}"
+    key = ("quickstart.py", r["data"], row, 0, r["steps"], "row")
+    uses = sorted((e for e in entries if e["kind"] == "use" and e["driver"] == "quickstart.py"
+                   and (e["data"], e["row"]) == (r["data"], row)), key=split_ledger.when_used)
+    found = split_ledger.use_of(entries, key, r, r["knn_top1"])
+    number = [e["id"] for e in uses].index(found) + 1 if found else "?"
+    return f"test use {number} of {len(uses)}" if uses else "no test use in the ledger"
+
+
+def generated_blocks(records, ledger=None):
+    entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
+    return {"result": result_line(records, entries), "variants": variants_table(records),
+            "datasets": datasets_table(records, entries)}
 
 
 def get_args_parser():
@@ -231,10 +238,6 @@ def get_args_parser():
     p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
                    help="where compare.py's built datasets are written")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
-    p.add_argument("--relog", action="store_true",
-                   help="run again, with their own data, phase, steps, variant and flags, the "
-                        "lines of --log that have no timestamp (written before stamps existed); "
-                        "the stamped line then replaces them")
     p.add_argument("--table", action="store_true",
                    help="run nothing: rewrite the generated blocks from --log")
     split_ledger.add_ledger_args(p)
@@ -254,25 +257,19 @@ def main():
     if not args.table:
         provenance.check_log_writable(args.log)
         provenance.check_log_writable(args.ledger, what="--ledger")
-    todo = [vars(args)]
-    if args.relog:
-        todo = [{**vars(args), **line} for line in unstamped(read_checked(args.log))]
-        print(f"--relog: {len(todo)} line(s) of {args.log} without a timestamp to run again",
-              flush=True)
-    for job in todo if not args.table else []:
-        job = argparse.Namespace(**job)
+    for job in [args] if not args.table else []:
         if "fashion_mnist_8k" in (job.data, job.eval_data):
             compare.write_fashion_mnist_8k(job.data_dir)
         record = run(job)
-        with provenance.locked(job.log), open(job.log, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with provenance.locked(job.log):
+            provenance.append_line(job.log, record)
         if record.get("test_use"):
             split_ledger.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
         print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: "
               f"20-NN {record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
               flush=True)
     if args.table:
-        blocks = generated_blocks(read_checked(args.log))
+        blocks = generated_blocks(read_checked(args.log), args.ledger)
         texts = {path: (ROOT / path).read_text() for path in TARGETS}
         for path, names in TARGETS.items():
             refreshed = results.refresh(texts[path], {n: blocks[n] for n in names},

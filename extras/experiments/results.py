@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import claims  # noqa: E402
 import common  # noqa: E402
 import provenance  # noqa: E402
 import split_ledger  # noqa: E402
@@ -41,7 +42,9 @@ from readouts import (KNN_KS, knn_top1, knn_top1_by_k, parse_collapse,  # noqa: 
                       write_fashion_mnist_8k)
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
+APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"       # the detail blocks, out of the reader's path
 COMMITTED_LEDGER = split_ledger.LEDGER     # the documents' (a test may point the drivers elsewhere)
+
 
 # Shared by the self-supervised recipes: 2 global crops of 32 px and 4 local crops of 16 px, a head
 # sized for a 64-dim backbone, lr warm-up and frozen last layer counted in fractions of the run.
@@ -108,14 +111,24 @@ def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None,
     """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine). On the test
     phase its ledger line is appended first (`ledger`: the ledger's path)."""
     started = provenance.start()
-    use = ledger_use(name, extra, phase, seed, work_dir, ledger or split_ledger.LEDGER, reason)
-    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir)
-    return {**record, **({"test_use": use} if use else {}), **provenance.stamp(started)}
+    ledger = ledger or split_ledger.LEDGER
+    use = ledger_use(name, extra, phase, seed, ledger, reason, check_only=True)
+    ids = []
+
+    def before_test():
+        """Record the use as the first test image is about to be read (DRLoc: before training,
+        whose every epoch evaluates; the others: after it)."""
+        if use and not ids:
+            ids.append(ledger_use(name, extra, phase, seed, ledger, reason))
+    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
+                                          before_test)
+    return {**record, **({"test_use": ids[0]} if ids else {}), **provenance.stamp(started)}
 
 
-def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
-    """The ledger's id of a test-phase run, appended before it trains (None on val). Its budget:
-    the epochs its training command ends with (later flags win)."""
+def ledger_use(name, extra, phase, seed, ledger, reason, check_only=False):
+    """The ledger's id of a test-phase run (None on val); check_only: refuse a second use without
+    a reason, recording nothing. Its budget: the epochs its training command ends with (later
+    flags win)."""
     if phase != "test":
         return None
     script, flags = RUNS[name]
@@ -127,12 +140,18 @@ def ledger_use(name, extra, phase, seed, work_dir, ledger, reason):
         budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
     use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
            "budget": budget, "evaluation": "row", "command": command}
+    if check_only:
+        split_ledger.check_test_use(ledger, use, reason)
+        return True
     return split_ledger.record_test_use(ledger, use, reason)
 
 
-def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
+def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
+                                 before_test=lambda: None):
+    """One run's record; `before_test` is called as the evaluation split is about to be read."""
     record = {"run": name, "variant": variant, "phase": phase, "seed": seed}
     if name == "pixels":  # deterministic: the seed changes nothing
+        before_test()
         return {**record, "top1": pixels_top1(phase), "train_seconds": 0.0}
     script, flags = RUNS[name]
     split = ["--holdout", str(HOLDOUT)] if phase == "val" else []
@@ -142,6 +161,8 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
              "--output_dir", str(out)]
     # a stopped run goes on: its time would be its last process's only
     resumed = (out / "checkpoint.pth").exists()
+    if script == "drloc.py":        # its epochs end with an evaluation
+        before_test()
     start = time.time()
     provenance.run(train, out / "train.txt")
     provenance.check_trained(train, out)
@@ -160,6 +181,7 @@ def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir):
                   "--num_workers", "1",
                   "--resize", "32", "--crop", "32", "--pretrained_weights",
                   str(out / "checkpoint.pth"), *split]
+    before_test()
     outputs = {"eval": provenance.run(evaluation, out / "eval.txt")}
     record["top1"] = knn_top1(outputs["eval"])
     record["eval_command"] = " ".join(["python", *evaluation[1:]])
@@ -183,24 +205,46 @@ def cell(values, digits=1):
     return f"{statistics.mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 
-def table(records, phase):
+def budget_of(record):
+    """The epochs a run's training command ends with (later flags win); None for the pixels."""
+    found = re.findall(r"--epochs[ =](\S+)", record.get("train_command", ""))
+    return int(float(found[-1])) if found else None
+
+
+def test_uses(rs, entries):
+    """Which test use of its run, seed and budget each seed's figure is (the ledger's count)."""
+    notes = []
+    for r in rs:
+        key = ("results.py", "fashion_mnist", r["run"], r["seed"], budget_of(r), "row")
+        notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r['top1'])}")
+    return ", ".join(notes)
+
+
+def table(records, phase, entries=None):
     """One line per (run, variant) of a phase: mean ± half-range over the seeds; the gain is each
-    seed's top-1 minus its own checkpoint's with --random_init, per seed in seed order; a resumed
-    run's train time "—"."""
+    seed's top-1 minus its own checkpoint's with --random_init, per seed in seed order, with the
+    rule's verdict (claims.finding); a resumed run's train time "—"; on test, which use of the
+    test split each seed's figure is."""
+    uses = entries is not None and phase == "test"
     rows = ["| run | variant | seeds | 20-NN top-1 (%) | random init (%) | gain (points; per seed) "
             "| train time (min) | "
-            "peak memory (MB) | logged (UTC) |", "|---|---|---|---|---|---|---|---|---|"]
+            "peak memory (MB) | logged (UTC) |" + (" test use (seed: use of the run's uses) |"
+                                                  if uses else ""), "|---" * (9 + uses) + "|"]
     groups = {}
     for r in records:
         if r.get("phase") == phase:
             groups.setdefault((r["run"], r.get("variant", "recipe")), []).append(r)
+    validated = {(r["run"], r.get("variant", "recipe")) for r in records if r["phase"] == "val"}
     for (name, variant), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["seed"])          # per-seed figures in seed order
         top1 = [r["top1"] for r in rs]
+        if phase == "test" and name != "pixels" and (name, variant) not in validated:
+            variant = f"{variant} (test only)"
         logged = " / ".join(sorted({r["utc"][:10] for r in rs}))
+        note = f" {test_uses(rs, entries)} |" if uses else ""
         if name == "pixels":
             pixels = f"| raw pixels | — | — | {top1[0]:.1f} |"
-            rows.append(pixels + " — |" * 4 + f" {logged} |")
+            rows.append(pixels + " — |" * 4 + f" {logged} |" + note)
             continue
         timed = all("train_seconds" in r for r in rs)                # a resumed run logs no time
         minutes = f"{statistics.mean(r['train_seconds'] for r in rs) / 60:.1f}" if timed else "—"
@@ -208,14 +252,15 @@ def table(records, phase):
             spread = statistics.stdev(top1) if len(top1) > 1 else 0.0
             rows.append(f"| {name} (supervised top-1, ± std) | {variant} | {len(rs)} | "
                         f"{statistics.mean(top1):.1f} ± {spread:.1f} | — | — | {minutes} | "
-                        f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |")
+                        f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |" + note)
             continue
         random_init = [r["random_init_top1"] for r in rs]
         gains = [a - b for a, b in zip(top1, random_init)]
         per_seed = f" ({', '.join(f'{g:+.1f}' for g in gains)})" if len(gains) > 1 else ""
+        verdict = claims.finding(gains, claims.binomial_error(top1 + random_init, HOLDOUT))
         rows.append(f"| {name} | {variant} | {len(rs)} | {cell(top1)} | {cell(random_init)} | "
-                    f"{cell(gains)}{per_seed} | {minutes} | {max(r['peak_memory_mb'] for r in rs)} "
-                    f"| {logged} |")
+                    f"{cell(gains)}{per_seed}: {verdict} | {minutes} | "
+                    f"{max(r['peak_memory_mb'] for r in rs)} | {logged} |" + note)
     return "\n".join(rows)
 
 
@@ -316,8 +361,7 @@ def log_key(record):
 
 
 def relogged_table(pairs):
-    """Each run logged again with its stamp (--relog): its top-1 and random-init top-1 then and
-    now."""
+    """Each run logged again with its stamp: its top-1 and random-init top-1 then and now."""
     lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init "
              "(%): then, now | logged again (UTC) |", "|---" * 8 + "|"]
     for old, new in pairs:
@@ -326,35 +370,31 @@ def relogged_table(pairs):
         lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | "
                      f"{new['seed']} | {old['top1']:.2f}, {new['top1']:.2f} | "
                      f"{new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
-    return "\n".join(lines) if pairs else ("No run logged without a timestamp has been run again "
-                                           "yet (`python extras/experiments/results.py --relog "
-                                           "...`).")
+    return "\n".join(lines) if pairs else "No run logged without a timestamp has run again."
 
 
 def unstamped_note(records):
     """The lines logged before the log held a time, commit and machine: not published, their runs
-    listed with the command that logs each again (--relog)."""
+    listed with their commands."""
     if not records:
         return "Every line of the log is stamped."
-    commands = "\n".join(f"{line} --relog" for line in reproducing_commands(records))
+    commands = "\n".join(reproducing_commands(records))
     return (f"{len(records)} lines of the log were written before it held a time, commit and "
-            "machine; their figures are not published here. Each of these commands runs such "
-            "lines again, stamped, and the tables above then show "
-            f"them:\n\n```bash\n{commands}\n```")
+            f"machine; their figures are not published. Their runs:\n\n```bash\n{commands}\n```")
 
 
 def generated_blocks(records, ledger=None):
     """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes
     the unstamped ones of its run, and the others are only listed (unstamped_note); the test uses
     from the ledger (its path; default: the committed one)."""
-    uses = split_ledger.ledger_table(split_ledger.read_ledger(ledger or COMMITTED_LEDGER),
-                                     {"results.py"}, "epochs")
+    entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
+    uses = split_ledger.ledger_table(entries, {"results.py"}, "epochs")
     records, relogged = provenance.superseded(records, log_key)
     blocks = {"relogged": relogged_table(relogged),
               "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
     records = [r for r in records if r.get("utc")]
     for phase in ("test", "val"):
-        text = table(records, phase)
+        text = table(records, phase, entries)
         comparison = paired_difference(records, phase)
         if comparison:
             text += f"\n\nDRLoc: {comparison}."
@@ -362,6 +402,7 @@ def generated_blocks(records, ledger=None):
     blocks["commands"] = "```bash\n" + "\n".join(reproducing_commands(records)) + "\n```"
     blocks["drloc_regime"] = drloc_regime(records)
     blocks["test_uses"] = uses
+    blocks["withdrawn"] = split_ledger.withdrawn_table(entries, {"results.py"})
     return blocks
 
 
@@ -388,10 +429,6 @@ def get_args_parser():
     p.add_argument("--variant", default="recipe",
                    help="name under which a variant (--extra) is logged")
     p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
-    p.add_argument("--relog", action="store_true",
-                   help="run again the --runs and --seeds whose log lines have no timestamp "
-                        "(written before stamps existed): the stamped line replaces them in the "
-                        "tables, which show both figures")
     p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"),
                    help="output directories of the runs")
     p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
@@ -423,14 +460,14 @@ def main():
         for seed in args.seeds if name != "pixels" else [0]:
             key = (name, args.variant, args.phase, seed)
             # a relaunch goes on where it stopped
-            if key in logged and (logged[key] or not args.relog):
+            if key in logged:
                 print(f"{name} {args.variant} {args.phase} seed {seed}: already logged, skipped",
                       flush=True)
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
                                         args.work_dir, args.ledger, args.reason)
-            with provenance.locked(args.log), open(args.log, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with provenance.locked(args.log):
+                provenance.append_line(args.log, record)
             if record.get("test_use"):
                 split_ledger.record_test_result(args.ledger, record["test_use"], record["top1"])
             baseline = (f" (random init {record['random_init_top1']:.2f}%)"
@@ -441,11 +478,12 @@ def main():
                   f"{record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
-        markdown = RESULTS_MD.read_text()
-        refreshed = refresh(markdown, blocks)
-        RESULTS_MD.write_text(refreshed)
-        print(f"{RESULTS_MD.relative_to(ROOT)}: "
-              f"{'refreshed' if refreshed != markdown else 'already up to date'}")
+        for path in (RESULTS_MD, APPENDIX_MD):
+            markdown = path.read_text()
+            refreshed = refresh(markdown, blocks)
+            path.write_text(refreshed)
+            print(f"{path.relative_to(ROOT)}: "
+                  f"{'refreshed' if refreshed != markdown else 'already up to date'}")
 
 
 if __name__ == "__main__":
