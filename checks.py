@@ -1,8 +1,7 @@
-"""Safety checks of the training and evaluation scripts: each refuses a mistake in one line.
-
-Each is called from one line marked `# checks`; a fork may delete this file and those lines, and
-every script still trains, resumes and evaluates, without the refusals (docs/ERRORS.md lists them):
-one run per --output_dir, start-up and resume checks, the non-finite stop, exits in one line.
+"""Safety checks of the training and evaluation scripts, each called from one line marked
+`# checks`: a fork may delete this file and those lines, and every script still trains, resumes
+and evaluates, without the refusals (docs/ERRORS.md lists them): one run per --output_dir,
+start-up and resume checks, the non-finite stop, a mistake or Ctrl-C in one line.
 """
 import contextlib
 import errno
