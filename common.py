@@ -657,30 +657,26 @@ class SyntheticShapes(torch.utils.data.Dataset):
     @staticmethod
     def draw_shape(d, name, cx, cy, r, fg):
         """One shape of half-size r centred at (cx, cy)."""
-        box = [cx - r, cy - r, cx + r, cy + r]
         lw = max(1, int(r / 3))
-        if name in ("disk", "ring"):
-            d.ellipse(box, fill=fg if name == "disk" else None,
-                      outline=fg if name == "ring" else None, width=lw if name == "ring" else 1)
-        elif name == "square":
+        bars = [-r + k * 2 * r / 2.5 for k in range(3)]
+        rectangles = {"square": [[cx - r, cy - r, cx + r, cy + r]],
+                      "plus": [[cx - lw / 2, cy - r, cx + lw / 2, cy + r],
+                               [cx - r, cy - lw / 2, cx + r, cy + lw / 2]],
+                      "hbars": [[cx - r, cy + a, cx + r, cy + a + lw] for a in bars],
+                      "vbars": [[cx + a, cy - r, cx + a + lw, cy + r] for a in bars],
+                      "checker": [[cx - r, cy - r, cx, cy], [cx, cy, cx + r, cy + r]]}
+        polygons = {"triangle": [(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)],
+                    "diamond": [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)]}
+        for box in rectangles.get(name, []):
             d.rectangle(box, fill=fg)
-        elif name in ("triangle", "diamond"):
-            d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)] if name == "triangle" else
-                      [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=fg)
-        elif name == "plus":
-            d.rectangle([cx - lw / 2, cy - r, cx + lw / 2, cy + r], fill=fg)
-            d.rectangle([cx - r, cy - lw / 2, cx + r, cy + lw / 2], fill=fg)
+        if name in polygons:
+            d.polygon(polygons[name], fill=fg)
         elif name == "cross":
             d.line([(cx - r, cy - r), (cx + r, cy + r)], fill=fg, width=lw)
             d.line([(cx - r, cy + r), (cx + r, cy - r)], fill=fg, width=lw)
-        elif name in ("hbars", "vbars"):
-            for a in (-r + k * 2 * r / 2.5 for k in range(3)):
-                bar = ([cx - r, cy + a, cx + r, cy + a + lw] if name == "hbars"
-                       else [cx + a, cy - r, cx + a + lw, cy + r])
-                d.rectangle(bar, fill=fg)
-        else:  # checker
-            d.rectangle([cx - r, cy - r, cx, cy], fill=fg)
-            d.rectangle([cx, cy, cx + r, cy + r], fill=fg)
+        elif name in ("disk", "ring"):
+            d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg if name == "disk" else None,
+                      outline=fg if name == "ring" else None, width=lw if name == "ring" else 1)
 
 
 DATASETS = ["folder", "synthetic", "fashion_mnist", "cifar10", "cifar100", "svhn"]
