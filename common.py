@@ -884,7 +884,7 @@ def end_with_launcher():
 
 def choose_precision(device):
     """What `--precision auto` runs on `device`, and why: native bf16 (GPU or CPU), else on a GPU
-    fp16 with a grad scaler (as the authors train), else fp32 (emulated bf16: ~25x slower)."""
+    fp16 with a grad scaler (as the authors train), else fp32 (emulated bf16 is much slower)."""
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16", "this GPU computes in bf16 natively"
