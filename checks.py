@@ -10,6 +10,7 @@ script still trains, resumes and evaluates, without these refusals (docs/ERRORS.
      error keeps its own message (torch names out of memory, a dead loader worker, a lost peer),
      and torch's `record` writes torchrun's error file.
 """
+import argparse
 import contextlib
 import errno
 import fcntl
@@ -153,9 +154,12 @@ def check_resumed_args(ckpt, args, method, run_only=()):
         return
     path = Path(args.output_dir) / "checkpoint.pth"
     writer = ckpt.get("method")
+    if isinstance(ckpt.get("args"), argparse.Namespace):  # the authors' main_dino.py and the like
+        die(f"{path} was written by the authors' code, not {method}.py: it cannot be resumed; "
+            f"evaluate it with --pretrained_weights of eval_knn.py or eval_linear.py")
     if writer != method:
-        die(f"{path} was written by {writer or 'another program'}.py, not {method}.py: give "
-            f"{method}.py its own --output_dir")
+        die(f"{path} was written by {f'{writer}.py' if writer else 'an unknown program'}, not "
+            f"{method}.py: give {method}.py its own --output_dir")
     old = ckpt.get("args", {})
     changed = common.changed_args(old, args, RUN_ONLY_ARGS | set(run_only))
     if changed and not args.allow_changed_args:

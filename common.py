@@ -1177,25 +1177,40 @@ def remove_stale_temporaries(output_dir):
             pass
 
 
+# What `weights_only` loading allows beyond tensors and plain values: the argparse.Namespace and
+# numpy scalars (float64 learning rates) of the authors' main_dino.py, by name, under numpy 1's
+# and numpy 2's module paths; nothing else
+NUMBERS = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
+SCALAR = np.float64(0).__reduce__()[0]  # numpy's multiarray.scalar, which rebuilds a scalar
+SAFE_GLOBALS = [argparse.Namespace, np.dtype, *{type(np.dtype(c)) for c in NUMBERS},
+                *[(SCALAR, f"numpy.{m}.multiarray.scalar") for m in ("core", "_core")]]
+SAFE_NAMES = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}"
+              for g in SAFE_GLOBALS}
+
+
 def load_checkpoint(path, what="checkpoint", remedy=""):
     """A checkpoint loaded with `weights_only` (no code runs), or one line saying why not."""
     try:
-        with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before 1.6 a pickle
-            start = f.read(2)
-        if start in (b"PK", b"\x80\x02"):  # else e.g. an image: torch would advise weights_only
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO: no wait
+            start = f.read(2) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
+        if start in (b"PK", b"\x80\x02"):  # torch.save's zip archive, or a pickle (before 1.6)
             check_archive(path, what, remedy)
-            with torch.serialization.safe_globals([argparse.Namespace]):  # the authors' args
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
                 return torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as e:  # the file system's reason: a folder, no permission
+    except OSError as e:  # the file system's reason: no permission
         die(f"{what} {path} cannot be read: {e.strerror or e}{remedy}")
-    except pickle.UnpicklingError as e:  # weights_only refused an object: never advise loading it
-        refused = str(e).split("WeightsUnpickler error: ")[-1].split(" was not an allowed")[0]
-        die(f"{what} {path} holds more than tensors and plain values ({refused.splitlines()[0]}): "
-            f"refused unread, as loading it could run code; give a file written by these "
-            f"scripts{remedy}")
+    except pickle.UnpicklingError:  # an object that could run code: named, never torch's advice
+        found = []
+        with contextlib.suppress(Exception):  # a pickle before 1.6: no list
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        unsafe = ", ".join(g for g in found if g not in SAFE_NAMES) or "an object"
+        die(f"{what} {path} holds {unsafe} beyond tensors and plain values: refused unread, as "
+            f"loading it could run code; give a file written by these scripts{remedy}")
     except Exception as e:  # torch's reason: a cut-off write?
         reason = (str(e).strip() or type(e).__name__).splitlines()[0]
         die(f"{what} {path} cannot be read (truncated?): {reason}{remedy}")
+    if start is None:
+        die(f"{what} {path} is not a regular file (a folder, a FIFO or a device){remedy}")
     if not start:
         die(f"{what} {path} is empty (0 bytes){remedy}")
     die(f"{what} {path} is not a PyTorch file (it starts {start!r}){remedy}")

@@ -452,6 +452,9 @@ def init_from_view_only(path, student, teacher, criterion, args):
     region head (absent from it) and the region centre keep their fresh initialisation; the
     optimizer starts anew. Returns (epoch, step) to continue from."""
     ckpt = common.load_checkpoint(path)
+    if isinstance(ckpt, dict) and isinstance(ckpt.get("args"), argparse.Namespace):
+        common.die(f"--init_from {path} was written by the authors' code, not esvit.py or dino.py: "
+                   "evaluate it with --pretrained_weights of eval_knn.py or eval_linear.py")
     if not isinstance(ckpt, dict) or ckpt.get("method") not in ("esvit", "dino"):
         common.die(f"--init_from {path} is not a checkpoint.pth of esvit.py or dino.py")
     fresh = []
