@@ -10,7 +10,6 @@ script still trains, resumes and evaluates, without these refusals (docs/ERRORS.
      error keeps its own message (torch names out of memory, a dead loader worker, a lost peer),
      and torch's `record` writes torchrun's error file.
 """
-import argparse
 import contextlib
 import errno
 import fcntl
@@ -44,6 +43,8 @@ def claim_output_dir(output_dir, script, checkpoint="checkpoint.pth"):
     if common.is_main_process():
         try:
             common.make_folder(output_dir, "--output_dir")
+            for name in (".lock", "args.json", "log.txt", checkpoint):  # a FIFO would block
+                common.refuse_irregular(Path(output_dir) / name)
             _claim["fd"] = take_lock(Path(output_dir) / ".lock")
             owner = recorded_script(output_dir)
             if owner not in (None, script):
@@ -154,7 +155,7 @@ def check_resumed_args(ckpt, args, method, run_only=()):
         return
     path = Path(args.output_dir) / "checkpoint.pth"
     writer = ckpt.get("method")
-    if isinstance(ckpt.get("args"), argparse.Namespace):  # the authors' main_dino.py and the like
+    if not isinstance(ckpt.get("args", {}), dict):  # a Namespace: the authors' main_dino.py & co
         die(f"{path} was written by the authors' code, not {method}.py: it cannot be resumed; "
             f"evaluate it with --pretrained_weights of eval_knn.py or eval_linear.py")
     if writer != method:

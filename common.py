@@ -1143,9 +1143,16 @@ def open_for_writing(path, mode="w"):
     return os.fdopen(fd, mode)
 
 
+def refuse_irregular(path):
+    """Stop in one line if `path` is a symbolic link, a folder, a FIFO or a device."""
+    if os.path.islink(path) or os.path.exists(path) and not os.path.isfile(path):
+        open_for_writing(path, "a")  # its refusal says which
+
+
 def save_checkpoint(state, path):
     """Write atomically (temporary file, fsync, rename): a crash leaves the old or new file."""
     path = Path(path)
+    refuse_irregular(path)  # a link is not replaced unseen
     preemption.checkpoint_reached.set()  # a preempted step's grace period ends here
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -1299,8 +1306,7 @@ def resume_position(ckpt, output_dir):
 
 def keep_log_records(path, epochs_done):
     """Rewrite `path` without its lines that are cut or of epochs >= epochs_done."""
-    if path.is_symlink():
-        die(f"{path} is a symbolic link: these scripts never write through one; remove it")
+    refuse_irregular(path)  # a FIFO's read would block
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
