@@ -34,6 +34,7 @@ import socket
 import stat
 import sys
 import threading
+import warnings
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image, ImageDraw, ImageFile, ImageFilter
 from timm.layers import Attention as TimmAttention
 from timm.layers import Mlp
 from timm.models.cait import ClassAttn
@@ -525,7 +526,9 @@ def load_image(path):
     """Any image as 8-bit RGB (16-bit and float ones rescaled); an unreadable file raises an
     error naming it."""
     try:
-        with Image.open(path) as img:
+        with warnings.catch_warnings(), Image.open(path) as img:
+            warnings.simplefilter("error", UserWarning)  # PIL's word for some damage (a cut TIFF)
+            ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut file is unreadable, whatever was set
             img.load()
             if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 16-bit / float: to 8 bit
                 a = np.asarray(img, dtype=np.float64)
@@ -1454,16 +1457,19 @@ POSITIVE = ranged(float, 0, low_open=True)  # temperatures
 NONNEGATIVE = ranged(float, 0)  # learning rates, weight decay, loss weights
 FRACTION = ranged(float, 0, 1)  # momenta, probabilities, rates
 AREA_FRACTION = ranged(float, 0, 1, low_open=True)  # crop scales
+PIXELS = ranged(int, 1, 2048)  # image and crop sides
+GRID = ranged(int, 1, 64)  # patch and window sides
+SPAN = ranged(float, 0, 10_000)  # warm-ups in epochs (as long as --epochs can be)
 
 
 def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     g = parser.add_argument_group("backbone")
     g.add_argument("--arch", default=arch, choices=list(ARCHS),
                    help="ViT (DINO Table 8) or Swin (EsViT Table 6); *_pico: tiny CPU test models")
-    g.add_argument("--patch_size", default=16, type=POSITIVE_INT,
+    g.add_argument("--patch_size", default=16, type=GRID,
                    help="ViT patch size: 16 or 8 (better, much slower), or a divisor of small "
                         "crops (4 at 32 px)")
-    g.add_argument("--window_size", default=7, type=POSITIVE_INT, help="Swin window size (7 or 14)")
+    g.add_argument("--window_size", default=7, type=GRID, help="Swin window size (7 or 14)")
     g.add_argument("--fit_window", default=False, type=bool_flag,
                    help="small images: per Swin stage the largest window <= --window_size that "
                         "tiles every crop's grid")
@@ -1477,12 +1483,12 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
     g = parser.add_argument_group("multi-crop augmentation")
     g.add_argument("--global_crops_scale", type=AREA_FRACTION, nargs=2, default=global_crops_scale,
                    help="area range of the 2 global crops (DINO: (0.14, 1) without local crops)")
-    g.add_argument("--local_crops_number", type=COUNT, default=local_crops_number,
+    g.add_argument("--local_crops_number", type=ranged(int, 0, 64), default=local_crops_number,
                    help="number of small local crops (0 disables multi-crop)")
     g.add_argument("--local_crops_scale", type=AREA_FRACTION, nargs=2, default=local_crops_scale,
                    help="area range of the local crops")
-    g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
-    g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
+    g.add_argument("--global_crop_size", type=PIXELS, default=224, help="pixels")
+    g.add_argument("--local_crop_size", type=PIXELS, default=96, help="pixels")
     return g
 
 
@@ -1492,9 +1498,9 @@ def add_data_args(parser):
                    help="folder = an ImageFolder at --data_path; synthetic = procedural shapes")
     g.add_argument("--data_path", default=None, type=str,
                    help="image folder, or a dataset's local root")
-    g.add_argument("--synthetic_images", default=2000, type=POSITIVE_INT,
+    g.add_argument("--synthetic_images", default=2000, type=ranged(int, 1, 10 ** 7),
                    help="size of the synthetic train split")
-    g.add_argument("--synthetic_image_size", default=64, type=POSITIVE_INT,
+    g.add_argument("--synthetic_image_size", default=64, type=PIXELS,
                    help="side of synthetic images (pixels)")
     g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic set to draw")
     g.add_argument("--holdout", default=0, type=COUNT,
@@ -1504,16 +1510,16 @@ def add_data_args(parser):
                         "test set")
     g.add_argument("--skip_bad_images", action="store_true",
                    help="skip (log and count) unreadable images, not stop")
-    g.add_argument("--num_workers", default=10, type=COUNT,
+    g.add_argument("--num_workers", default=10, type=ranged(int, 0, 256),
                    help="data loader processes per GPU/process")
     return g
 
 
 def add_head_size_args(group):
     """The DINO head's MLP sizes (the authors' 2048 / 256; smaller for tiny CPU backbones)."""
-    group.add_argument("--head_hidden_dim", default=2048, type=POSITIVE_INT,
+    group.add_argument("--head_hidden_dim", default=2048, type=ranged(int, 1, 8192),
                        help="width of the head's hidden MLP layers")
-    group.add_argument("--head_bottleneck_dim", default=256, type=POSITIVE_INT,
+    group.add_argument("--head_bottleneck_dim", default=256, type=ranged(int, 1, 8192),
                        help="width of the l2-normalised bottleneck before the K-way last layer")
 
 
