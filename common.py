@@ -1124,32 +1124,26 @@ def set_rng_state(state):
 
 
 def open_for_writing(path, mode="w"):
-    """A file opened to write ("w", "wb") or append ("a"), its folder made if needed: never through
-    a symbolic link planted in its place (O_NOFOLLOW), never a FIFO, device or folder (a write
-    could block for ever or fail late)."""
+    """A file opened to write ("w", "wb") or append ("a"), its folder made if needed: never a
+    symbolic link, FIFO, device or folder in its place (`refuse_irregular`; one planted since
+    fails: O_NOFOLLOW, O_NONBLOCK, no wait for a FIFO's reader)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO: no wait for a reader
-    flags |= os.O_APPEND if mode.startswith("a") else os.O_TRUNC
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            die(f"{path} is a symbolic link: these scripts never write through one; remove it")
-        if e.errno in (errno.EISDIR, errno.ENXIO):  # ENXIO: a FIFO that no one reads
-            die(f"{path} is not a regular file: these scripts write only regular files; remove it")
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        die(f"{path} is not a regular file: these scripts write only regular files; remove it")
+    refuse_irregular(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(path, flags | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC), 0o644)
     os.set_blocking(fd, True)
     return os.fdopen(fd, mode)
 
 
 def refuse_irregular(path):
     """Stop in one line if `path` is a symbolic link, a folder, a FIFO or a device."""
-    if os.path.islink(path) or os.path.exists(path) and not os.path.isfile(path):
-        open_for_writing(path, "a")  # its refusal says which
+    with contextlib.suppress(FileNotFoundError):
+        kind = os.lstat(path).st_mode
+        if stat.S_ISLNK(kind):
+            die(f"{path} is a symbolic link: these scripts never write through one; remove it")
+        if not stat.S_ISREG(kind):
+            die(f"{path} is not a regular file: these scripts write only regular files; remove it")
 
 
 def save_checkpoint(state, path):
@@ -1187,22 +1181,21 @@ def remove_stale_temporaries(output_dir):
             pass
 
 
-# What `weights_only` loading allows beyond tensors and plain values: the argparse.Namespace and
-# numpy scalars (float64 learning rates) of the authors' main_dino.py, by name, under numpy 1's
-# and numpy 2's module paths; nothing else
+# `weights_only` loading allows, by name, the argparse.Namespace and numpy scalars (float64 lr) of
+# the authors' main_dino.py, under numpy 1's and 2's module paths; nothing else
 NUMBERS = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
 SCALAR = np.float64(0).__reduce__()[0]  # numpy's multiarray.scalar, which rebuilds a scalar
 SAFE_GLOBALS = [argparse.Namespace, np.dtype, *{type(np.dtype(c)) for c in NUMBERS},
                 *[(SCALAR, f"numpy.{m}.multiarray.scalar") for m in ("core", "_core")]]
-SAFE_NAMES = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}"
-              for g in SAFE_GLOBALS}
 
 
 def load_checkpoint(path, what="checkpoint", remedy=""):
     """A checkpoint loaded with `weights_only` (no code runs), or one line saying why not."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO's read would block
+        die(f"{what} {path} is not a regular file (a folder, a FIFO or a device){remedy}")
     try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO: no wait
-            start = f.read(2) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
+        with open(path, "rb") as f:
+            start = f.read(2)
         if start in (b"PK", b"\x80\x02"):  # torch.save's zip archive, or a pickle (before 1.6)
             check_archive(path, what, remedy)
             with torch.serialization.safe_globals(SAFE_GLOBALS):
@@ -1210,17 +1203,14 @@ def load_checkpoint(path, what="checkpoint", remedy=""):
     except OSError as e:  # the file system's reason: no permission
         die(f"{what} {path} cannot be read: {e.strerror or e}{remedy}")
     except pickle.UnpicklingError:  # an object that could run code: named, never torch's advice
-        found = []
-        with contextlib.suppress(Exception):  # a pickle before 1.6: no list
-            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        unsafe = ", ".join(g for g in found if g not in SAFE_NAMES) or "an object"
-        die(f"{what} {path} holds {unsafe} beyond tensors and plain values: refused unread, as "
-            f"loading it could run code; give a file written by these scripts{remedy}")
+        unsafe = ["an object"]
+        with contextlib.suppress(Exception), torch.serialization.safe_globals(SAFE_GLOBALS):
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path) or unsafe
+        die(f"{what} {path} holds {', '.join(unsafe)} beyond tensors and plain values: refused "
+            f"unread, as loading it could run code; give a file written by these scripts{remedy}")
     except Exception as e:  # torch's reason: a cut-off write?
         reason = (str(e).strip() or type(e).__name__).splitlines()[0]
         die(f"{what} {path} cannot be read (truncated?): {reason}{remedy}")
-    if start is None:
-        die(f"{what} {path} is not a regular file (a folder, a FIFO or a device){remedy}")
     if not start:
         die(f"{what} {path} is empty (0 bytes){remedy}")
     die(f"{what} {path} is not a PyTorch file (it starts {start!r}){remedy}")
@@ -1228,14 +1218,12 @@ def load_checkpoint(path, what="checkpoint", remedy=""):
 
 def check_archive(path, what, remedy):
     """torch.load does not check a zip archive's CRCs: flipped bits in a tensor load silently."""
-    try:
+    with contextlib.suppress(zipfile.BadZipFile, EOFError):  # not whole: torch.load says why
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
-    except (zipfile.BadZipFile, EOFError):  # not a whole archive: torch.load names the reason
-        return
-    if damaged:
-        die(f"{what} {path} is damaged: the checksum of its entry {damaged} fails (bits changed on "
-            f"the disk or in a copy){remedy}")
+        if damaged:
+            die(f"{what} {path} is damaged: the checksum of its entry {damaged} fails (bits "
+                f"changed on the disk or in a copy){remedy}")
 
 
 def load_state_dict_strict(module, state_dict, what="model"):
@@ -1413,10 +1401,9 @@ def bool_flag(s):
     return s.lower() in ("1", "true", "on", "yes")
 
 
-def ranged(kind, low=None, high=None, low_open=False):
+def ranged(kind, low=-math.inf, high=math.inf, low_open=False):
     """An argparse type: a finite number of `kind` in [low, high] (low excluded if low_open)."""
-    lower = f"{'(' if low_open else '['}{'-inf' if low is None else low}"
-    bounds = f"{lower}, {'inf)' if high is None else f'{high}]'}"
+    bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high == math.inf else ']'}"
 
     def parse(text):
         try:
@@ -1424,9 +1411,8 @@ def ranged(kind, low=None, high=None, low_open=False):
         except ValueError:
             expected = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        too_low = low is not None and (value <= low if low_open else value < low)
-        too_high = high is not None and value > high
-        if too_low or too_high or not math.isfinite(value):  # inf, NaN
+        inside = (low < value if low_open else low <= value) and value <= high  # NaN: outside
+        if not inside or not math.isfinite(value):
             raise argparse.ArgumentTypeError(
                 f"{text} is out of range: expected a value in {bounds}")
         problem = number_problem(kind, value)
