@@ -1183,9 +1183,8 @@ def remove_stale_temporaries(output_dir):
 
 # `weights_only` loading allows, by name, the argparse.Namespace and numpy scalars (float64 lr) of
 # the authors' main_dino.py, under numpy 1's and 2's module paths; nothing else
-NUMBERS = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
 SCALAR = np.float64(0).__reduce__()[0]  # numpy's multiarray.scalar, which rebuilds a scalar
-SAFE_GLOBALS = [argparse.Namespace, np.dtype, *{type(np.dtype(c)) for c in NUMBERS},
+SAFE_GLOBALS = [argparse.Namespace, np.dtype, *{type(np.dtype(c)) for c in "?bhilqBHILQefdg"},
                 *[(SCALAR, f"numpy.{m}.multiarray.scalar") for m in ("core", "_core")]]
 
 
@@ -1412,10 +1411,9 @@ def ranged(kind, low=-math.inf, high=math.inf, low_open=False):
             expected = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         inside = (low < value if low_open else low <= value) and value <= high  # NaN: outside
-        if not inside or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(
-                f"{text} is out of range: expected a value in {bounds}")
         problem = number_problem(kind, value)
+        if not inside or not math.isfinite(value):
+            problem = f"is out of range: expected a value in {bounds}"
         if problem:
             raise argparse.ArgumentTypeError(f"{text} {problem}")
         return value
@@ -1426,13 +1424,12 @@ def ranged(kind, low=-math.inf, high=math.inf, low_open=False):
 def number_problem(kind, value):
     """What the libraries cannot hold, whatever the flag's range: an integer past int32 (torch's
     and numpy's sizes, seeds, counts), a float that float32 (the networks') rounds to 0 or inf."""
-    tiny = float(np.finfo(np.float32).tiny)
-    huge = float(np.finfo(np.float32).max)
+    f32 = np.finfo(np.float32)
     if kind is int and value > 2 ** 31 - 1:
         return f"is too large: expected at most {2 ** 31 - 1} (a 32-bit integer)"
-    if kind is float and value and not tiny <= abs(value) <= huge:
+    if kind is float and value and not f32.tiny <= np.float64(abs(value)) <= f32.max:
         return (f"is out of float32's range, where it would be {'inf' if abs(value) > 1 else '0'}: "
-                f"expected a size from {tiny:.3g} to {huge:.3g}")
+                f"expected a size from {f32.tiny:.3g} to {f32.max:.3g}")
     return ""
 
 
