@@ -190,8 +190,8 @@ def read_jpeg_or_decode(path):
         data = Path(path).read_bytes()
         with Image.open(io.BytesIO(data)) as img:  # reads the header only
             baseline = img.format == "JPEG" and not img.info.get("progressive")
-            # a marker inside the scan (but restarts), or none ending it: damaged? PIL decides
-            scan = data[data.find(b"\xff\xda") + 2:]
+            # a marker inside the (last) scan but restarts, or none ending it: damaged? PIL decides
+            scan = data[data.rfind(b"\xff\xda") + 2:]  # (an EXIF thumbnail's scan comes first)
             marker = re.search(rb"\xff[^\x00\xd0-\xd7]", scan[:-2])
             whole = scan.endswith(b"\xff\xd9") and not marker
             if baseline and img.mode == "RGB" and whole:
