@@ -36,7 +36,9 @@ Where this file differs from the authors' eval_linear.py:
     that is saved and restored, so a run resumed with more --epochs follows the longer schedule;
   * the checkpoint is linear_checkpoint.pth (not checkpoint.pth.tar), and an --output_dir that
     holds another script's run (a pretraining folder) is refused, so that no run's files are
-    overwritten.
+    overwritten;
+  * as the training scripts, a SIGTERM or SIGUSR1 (a preemption) writes linear_checkpoint.pth (at
+    the epoch's end or mid-epoch) and exits 0; the same command resumes it.
 """
 import argparse
 import math
