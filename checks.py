@@ -36,6 +36,8 @@ def claim_output_dir(output_dir, script, checkpoint="checkpoint.pth"):
     if common.is_main_process():
         try:
             common.make_folder(output_dir, "--output_dir")
+            for name in (".lock", "args.json", "log.txt", checkpoint):  # a FIFO would block
+                common.refuse_irregular(Path(output_dir) / name)
             _claim["fd"] = take_lock(Path(output_dir) / ".lock")
             owner = recorded_script(output_dir)
             if owner not in (None, script):
@@ -146,9 +148,12 @@ def check_resumed_args(ckpt, args, method, run_only=()):
         return
     path = Path(args.output_dir) / "checkpoint.pth"
     writer = ckpt.get("method")
+    if not isinstance(ckpt.get("args", {}), dict):  # a Namespace: the authors' main_dino.py & co
+        die(f"{path} was written by the authors' code, not {method}.py: it cannot be resumed; "
+            f"evaluate it with --pretrained_weights of eval_knn.py or eval_linear.py")
     if writer != method:
-        die(f"{path} was written by {writer or 'another program'}.py, not {method}.py: give "
-            f"{method}.py its own --output_dir")
+        die(f"{path} was written by {f'{writer}.py' if writer else 'an unknown program'}, not "
+            f"{method}.py: give {method}.py its own --output_dir")
     old = ckpt.get("args", {})
     changed = common.changed_args(old, args, RUN_ONLY_ARGS | set(run_only))
     if changed and not args.allow_changed_args:

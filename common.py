@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
-import errno
 import gzip
 import hashlib
 import itertools
@@ -34,6 +33,7 @@ import socket
 import stat
 import sys
 import threading
+import warnings
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image, ImageDraw, ImageFile, ImageFilter
 from timm.layers import Attention as TimmAttention
 from timm.layers import Mlp
 from timm.models.cait import ClassAttn
@@ -520,7 +520,9 @@ def load_image(path):
     """Any image as 8-bit RGB (16-bit and float ones rescaled); an unreadable file raises an
     error naming it."""
     try:
-        with Image.open(path) as img:
+        with warnings.catch_warnings(), Image.open(path) as img:
+            warnings.simplefilter("error", UserWarning)  # PIL's word for some damage (a cut TIFF)
+            ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut file is unreadable, whatever was set
             img.load()
             if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 16-bit / float: to 8 bit
                 a = np.asarray(img, dtype=np.float64)
@@ -1099,31 +1101,32 @@ def set_rng_state(state):
 
 
 def open_for_writing(path, mode="w"):
-    """A file opened to write ("w", "wb") or append ("a"), its folder made: never through a link
-    planted in its place (O_NOFOLLOW), never a FIFO, device or folder (a write could block)."""
+    """A file opened to write ("w", "wb") or append ("a"), its folder made: never a link, FIFO,
+    device or folder in its place (`refuse_irregular`; one planted since fails: O_NOFOLLOW)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO: no wait for a reader
-    flags |= os.O_APPEND if mode.startswith("a") else os.O_TRUNC
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            die(f"{path} is a symbolic link: these scripts never write through one; remove it")
-        if e.errno in (errno.EISDIR, errno.ENXIO):  # ENXIO: a FIFO that no one reads
-            die(f"{path} is not a regular file: these scripts write only regular files; remove it")
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        die(f"{path} is not a regular file: these scripts write only regular files; remove it")
+    refuse_irregular(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(path, flags | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC), 0o644)
     os.set_blocking(fd, True)
     return os.fdopen(fd, mode)
+
+
+def refuse_irregular(path):
+    """Stop in one line if `path` is a symbolic link, a folder, a FIFO or a device."""
+    with contextlib.suppress(FileNotFoundError):
+        kind = os.lstat(path).st_mode
+        if stat.S_ISLNK(kind):
+            die(f"{path} is a symbolic link: these scripts never write through one; remove it")
+        if not stat.S_ISREG(kind):
+            die(f"{path} is not a regular file: these scripts write only regular files; remove it")
 
 
 def save_checkpoint(state, path):
     """Write atomically (temporary file, fsync, rename): a crash leaves the old or new file, and
     at most the temporary file, which the next save of `path` writes over (one writer a folder)."""
     path = Path(path)
+    refuse_irregular(path)  # a link is not replaced unseen
     preemption.checkpoint_reached.set()  # a preempted step's grace period ends here
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -1143,22 +1146,32 @@ def save_checkpoint(state, path):
             tmp.unlink(missing_ok=True)  # only left over when the write failed
 
 
+# `weights_only` loading allows, by name, the argparse.Namespace and numpy scalars (float64 lr) of
+# the authors' main_dino.py, under numpy 1's and 2's module paths; nothing else
+SCALAR = np.float64(0).__reduce__()[0]  # numpy's multiarray.scalar, which rebuilds a scalar
+SAFE_GLOBALS = [argparse.Namespace, np.dtype, *{type(np.dtype(c)) for c in "?bhilqBHILQefdg"},
+                *[(SCALAR, f"numpy.{m}.multiarray.scalar") for m in ("core", "_core")]]
+
+
 def load_checkpoint(path, what="checkpoint", remedy=""):
     """A checkpoint loaded with `weights_only` (no code runs), or one line saying why not."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO's read would block
+        die(f"{what} {path} is not a regular file (a folder, a FIFO or a device){remedy}")
     try:
-        with open(path, "rb") as f:  # torch.save writes a zip archive ("PK"); before 1.6 a pickle
+        with open(path, "rb") as f:
             start = f.read(2)
-        if start in (b"PK", b"\x80\x02"):  # else e.g. an image: torch would advise weights_only
+        if start in (b"PK", b"\x80\x02"):  # torch.save's zip archive, or a pickle (before 1.6)
             check_archive(path, what, remedy)
-            with torch.serialization.safe_globals([argparse.Namespace]):  # the authors' args
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
                 return torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as e:  # the file system's reason: a folder, no permission
+    except OSError as e:  # the file system's reason: no permission
         die(f"{what} {path} cannot be read: {e.strerror or e}{remedy}")
-    except pickle.UnpicklingError as e:  # weights_only refused an object: never advise loading it
-        refused = str(e).split("WeightsUnpickler error: ")[-1].split(" was not an allowed")[0]
-        die(f"{what} {path} holds more than tensors and plain values ({refused.splitlines()[0]}): "
-            f"refused unread, as loading it could run code; give a file written by these "
-            f"scripts{remedy}")
+    except pickle.UnpicklingError:  # an object that could run code: named, never torch's advice
+        unsafe = ["an object"]
+        with contextlib.suppress(Exception), torch.serialization.safe_globals(SAFE_GLOBALS):
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path) or unsafe
+        die(f"{what} {path} holds {', '.join(unsafe)} beyond tensors and plain values: refused "
+            f"unread, as loading it could run code; give a file written by these scripts{remedy}")
     except Exception as e:  # torch's reason: a cut-off write?
         reason = (str(e).strip() or type(e).__name__).splitlines()[0]
         die(f"{what} {path} cannot be read (truncated?): {reason}{remedy}")
@@ -1169,14 +1182,12 @@ def load_checkpoint(path, what="checkpoint", remedy=""):
 
 def check_archive(path, what, remedy):
     """torch.load does not check a zip archive's CRCs: flipped bits in a tensor load silently."""
-    try:
+    with contextlib.suppress(zipfile.BadZipFile, EOFError):  # not whole: torch.load says why
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
-    except (zipfile.BadZipFile, EOFError):  # not a whole archive: torch.load names the reason
-        return
-    if damaged:
-        die(f"{what} {path} is damaged: the checksum of its entry {damaged} fails (bits changed on "
-            f"the disk or in a copy){remedy}")
+        if damaged:
+            die(f"{what} {path} is damaged: the checksum of its entry {damaged} fails (bits "
+                f"changed on the disk or in a copy){remedy}")
 
 
 def load_state_dict_strict(module, state_dict, what="model"):
@@ -1247,8 +1258,7 @@ def resume_position(ckpt, output_dir):
 
 def keep_log_records(path, epochs_done):
     """Rewrite `path` without its lines that are cut or of epochs >= epochs_done."""
-    if path.is_symlink():
-        die(f"{path} is a symbolic link: these scripts never write through one; remove it")
+    refuse_irregular(path)  # a FIFO's read would block
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -1352,10 +1362,9 @@ def bool_flag(s):
     return s.lower() in ("1", "true", "on", "yes")
 
 
-def ranged(kind, low=None, high=None, low_open=False):
+def ranged(kind, low=-math.inf, high=math.inf, low_open=False):
     """An argparse type: a finite number of `kind` in [low, high] (low excluded if low_open)."""
-    lower = f"{'(' if low_open else '['}{'-inf' if low is None else low}"
-    bounds = f"{lower}, {'inf)' if high is None else f'{high}]'}"
+    bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high == math.inf else ']'}"
 
     def parse(text):
         try:
@@ -1363,12 +1372,10 @@ def ranged(kind, low=None, high=None, low_open=False):
         except ValueError:
             expected = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        too_low = low is not None and (value <= low if low_open else value < low)
-        too_high = high is not None and value > high
-        if too_low or too_high or not math.isfinite(value):  # inf, NaN
-            raise argparse.ArgumentTypeError(
-                f"{text} is out of range: expected a value in {bounds}")
+        inside = (low < value if low_open else low <= value) and value <= high  # NaN: outside
         problem = number_problem(kind, value)
+        if not inside or not math.isfinite(value):
+            problem = f"is out of range: expected a value in {bounds}"
         if problem:
             raise argparse.ArgumentTypeError(f"{text} {problem}")
         return value
@@ -1379,13 +1386,12 @@ def ranged(kind, low=None, high=None, low_open=False):
 def number_problem(kind, value):
     """What the libraries cannot hold, whatever the flag's range: an integer past int32 (torch's
     and numpy's sizes, seeds, counts), a float that float32 (the networks') rounds to 0 or inf."""
-    tiny = float(np.finfo(np.float32).tiny)
-    huge = float(np.finfo(np.float32).max)
+    f32 = np.finfo(np.float32)
     if kind is int and value > 2 ** 31 - 1:
         return f"is too large: expected at most {2 ** 31 - 1} (a 32-bit integer)"
-    if kind is float and value and not tiny <= abs(value) <= huge:
+    if kind is float and value and not f32.tiny <= np.float64(abs(value)) <= f32.max:
         return (f"is out of float32's range, where it would be {'inf' if abs(value) > 1 else '0'}: "
-                f"expected a size from {tiny:.3g} to {huge:.3g}")
+                f"expected a size from {f32.tiny:.3g} to {f32.max:.3g}")
     return ""
 
 
@@ -1396,16 +1402,19 @@ POSITIVE = ranged(float, 0, low_open=True)  # temperatures
 NONNEGATIVE = ranged(float, 0)  # learning rates, weight decay, loss weights
 FRACTION = ranged(float, 0, 1)  # momenta, probabilities, rates
 AREA_FRACTION = ranged(float, 0, 1, low_open=True)  # crop scales
+PIXELS = ranged(int, 1, 2048)  # image and crop sides
+GRID = ranged(int, 1, 64)  # patch and window sides
+SPAN = ranged(float, 0, 10_000)  # warm-ups in epochs (as long as --epochs can be)
 
 
 def add_backbone_args(parser, arch="vit_small", drop_path_rate=0.1):
     g = parser.add_argument_group("backbone")
     g.add_argument("--arch", default=arch, choices=list(ARCHS),
                    help="ViT (DINO Table 8) or Swin (EsViT Table 6); *_pico: tiny CPU test models")
-    g.add_argument("--patch_size", default=16, type=POSITIVE_INT,
+    g.add_argument("--patch_size", default=16, type=GRID,
                    help="ViT patch size: 16 or 8 (better, much slower), or a divisor of small "
                         "crops (4 at 32 px)")
-    g.add_argument("--window_size", default=7, type=POSITIVE_INT, help="Swin window size (7 or 14)")
+    g.add_argument("--window_size", default=7, type=GRID, help="Swin window size (7 or 14)")
     g.add_argument("--fit_window", default=False, type=bool_flag,
                    help="small images: per Swin stage the largest window <= --window_size that "
                         "tiles every crop's grid")
@@ -1419,12 +1428,12 @@ def add_multicrop_args(parser, global_crops_scale=(0.4, 1.0), local_crops_scale=
     g = parser.add_argument_group("multi-crop augmentation")
     g.add_argument("--global_crops_scale", type=AREA_FRACTION, nargs=2, default=global_crops_scale,
                    help="area range of the 2 global crops (DINO: (0.14, 1) without local crops)")
-    g.add_argument("--local_crops_number", type=COUNT, default=local_crops_number,
+    g.add_argument("--local_crops_number", type=ranged(int, 0, 64), default=local_crops_number,
                    help="number of small local crops (0 disables multi-crop)")
     g.add_argument("--local_crops_scale", type=AREA_FRACTION, nargs=2, default=local_crops_scale,
                    help="area range of the local crops")
-    g.add_argument("--global_crop_size", type=POSITIVE_INT, default=224, help="pixels")
-    g.add_argument("--local_crop_size", type=POSITIVE_INT, default=96, help="pixels")
+    g.add_argument("--global_crop_size", type=PIXELS, default=224, help="pixels")
+    g.add_argument("--local_crop_size", type=PIXELS, default=96, help="pixels")
     return g
 
 
@@ -1434,9 +1443,9 @@ def add_data_args(parser):
                    help="folder = an ImageFolder at --data_path; synthetic = procedural shapes")
     g.add_argument("--data_path", default=None, type=str,
                    help="image folder, or a dataset's local root")
-    g.add_argument("--synthetic_images", default=2000, type=POSITIVE_INT,
+    g.add_argument("--synthetic_images", default=2000, type=ranged(int, 1, 10 ** 7),
                    help="size of the synthetic train split")
-    g.add_argument("--synthetic_image_size", default=64, type=POSITIVE_INT,
+    g.add_argument("--synthetic_image_size", default=64, type=PIXELS,
                    help="side of synthetic images (pixels)")
     g.add_argument("--synthetic_seed", default=0, type=COUNT, help="which synthetic set to draw")
     g.add_argument("--holdout", default=0, type=COUNT,
@@ -1446,16 +1455,16 @@ def add_data_args(parser):
                         "test set")
     g.add_argument("--skip_bad_images", action="store_true",
                    help="skip (log and count) unreadable images, not stop")
-    g.add_argument("--num_workers", default=10, type=COUNT,
+    g.add_argument("--num_workers", default=10, type=ranged(int, 0, 256),
                    help="data loader processes per GPU/process")
     return g
 
 
 def add_head_size_args(group):
     """The DINO head's MLP sizes (the authors' 2048 / 256; smaller for tiny CPU backbones)."""
-    group.add_argument("--head_hidden_dim", default=2048, type=POSITIVE_INT,
+    group.add_argument("--head_hidden_dim", default=2048, type=ranged(int, 1, 8192),
                        help="width of the head's hidden MLP layers")
-    group.add_argument("--head_bottleneck_dim", default=256, type=POSITIVE_INT,
+    group.add_argument("--head_bottleneck_dim", default=256, type=ranged(int, 1, 8192),
                        help="width of the l2-normalised bottleneck before the K-way last layer")
 
 

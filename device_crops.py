@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import io
 import multiprocessing
+import re
 import warnings
 from pathlib import Path
 
@@ -189,7 +190,11 @@ def read_jpeg_or_decode(path):
         data = Path(path).read_bytes()
         with Image.open(io.BytesIO(data)) as img:  # reads the header only
             baseline = img.format == "JPEG" and not img.info.get("progressive")
-            if baseline and img.mode == "RGB" and data.endswith(b"\xff\xd9"):
+            # a marker inside the (last) scan but restarts, or none ending it: damaged? PIL decides
+            scan = data[data.rfind(b"\xff\xda") + 2:]  # (an EXIF thumbnail's scan comes first)
+            marker = re.search(rb"\xff[^\x00\xd0-\xd7]", scan[:-2])
+            whole = scan.endswith(b"\xff\xd9") and not marker
+            if baseline and img.mode == "RGB" and whole:
                 pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 return EncodedJpeg(pixels, img.height, img.width, str(path))
     return common.load_image(path)

@@ -53,7 +53,8 @@ def get_args_parser():
     common.add_backbone_args(p, arch="vit_small", drop_path_rate=0.1)
 
     g = p.add_argument_group("DINO head and loss")
-    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2),  # K = 1: the loss is 0
+    # K = 1: the loss is 0; past 2**18 (DINO tried up to 262144) the last layer is too large
+    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2, 2 ** 18),
                    help="K, the number of prototypes; 65536 works well for ViT-S/16 on ImageNet")
     g.add_argument("--norm_last_layer", default=True, type=common.bool_flag,
                    help="freeze the gain of the weight-normalised last layer (stabler; set false "
@@ -67,7 +68,7 @@ def get_args_parser():
                    help="teacher temperature at epoch 0")
     g.add_argument("--teacher_temp", default=0.04, type=common.POSITIVE,
                    help="teacher temperature after warmup; above 0.07 training becomes unstable")
-    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.NONNEGATIVE,
+    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.SPAN,
                    help="epochs of linear teacher-temperature warmup (the paper: 30, with "
                         "--teacher_temp 0.07); whole epochs ramp per epoch as the authors' code, a "
                         "fraction per step")
@@ -82,7 +83,7 @@ def get_args_parser():
                    help="peak lr at total batch 256 (linear scaling)")
     g.add_argument("--min_lr", default=1e-6, type=common.NONNEGATIVE,
                    help="lr at the end of the cosine schedule")
-    g.add_argument("--warmup_epochs", default=10, type=common.NONNEGATIVE,
+    g.add_argument("--warmup_epochs", default=10, type=common.SPAN,
                    help="linear lr warmup from 0 (a fraction counts steps: 0.5 = half an epoch)")
     g.add_argument("--weight_decay", default=0.04, type=common.NONNEGATIVE,
                    help="weight decay at the start (cosine)")
@@ -90,7 +91,7 @@ def get_args_parser():
                    help="weight decay at the end")
     g.add_argument("--clip_grad", default=3.0, type=common.NONNEGATIVE,
                    help="per-parameter gradient norm clip (0 = off)")
-    g.add_argument("--freeze_last_layer", default=1, type=common.NONNEGATIVE,
+    g.add_argument("--freeze_last_layer", default=1, type=common.SPAN,
                    help="epochs during which the head's last layer is not updated (helps early "
                         "training; a fraction counts steps)")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],

@@ -100,7 +100,7 @@ def get_args_parser():
                    help="warmup_decay (the authors' code): linear 0 -> lambda over "
                         "--lambda_warmup_epochs, then linear decay towards 0 at the last epoch; "
                         "constant: the paper's text")
-    g.add_argument("--lambda_warmup_epochs", default=20, type=common.COUNT,
+    g.add_argument("--lambda_warmup_epochs", default=20, type=common.ranged(int, 0, 10_000),
                    help="epochs of lambda warmup (warmup_decay)")
     g.add_argument("--drloc_mode", default="l1", choices=["l1", "ce", "reg", "all", "exh"],
                    help="l1 (best in the paper), ce (classify offsets), reg (Gaussian-prior "
@@ -109,7 +109,7 @@ def get_args_parser():
     g.add_argument("--drloc_targets", default="abs", choices=["abs", "signed"],
                    help="abs |Delta| (the published recipe) or signed Delta + k - 1 (the paper's "
                         "L*, worse)")
-    g.add_argument("--drloc_pairs", default=64, type=common.POSITIVE_INT,
+    g.add_argument("--drloc_pairs", default=64, type=common.ranged(int, 1, 4096),
                    help="m, pairs per image (the paper: 64 beats 32, 128 and 256 on CIFAR-100)")
     g.add_argument("--drloc_normalize", default=False, type=common.bool_flag,
                    help="normalised targets in [0, 1] (l1 modes only) instead of the code's "
@@ -117,7 +117,7 @@ def get_args_parser():
                         "loss; retune --lambda_drloc")
 
     g = p.add_argument_group("supervised training")
-    g.add_argument("--input_size", default=224, type=common.POSITIVE_INT,
+    g.add_argument("--input_size", default=224, type=common.PIXELS,
                    help="image side in pixels; the paper resizes every dataset to 224 (Swin: "
                         "7 x 7 final grid)")
     g.add_argument("--pretrained", default="", type=str,
@@ -147,7 +147,7 @@ def get_args_parser():
                    help="lr at the first step, at total batch 512")
     g.add_argument("--min_lr", default=5e-6, type=common.NONNEGATIVE,
                    help="lr at the end of the cosine, at total batch 512")
-    g.add_argument("--warmup_epochs", default=20, type=common.COUNT,
+    g.add_argument("--warmup_epochs", default=20, type=common.ranged(int, 0, 10_000),
                    help="linear lr warmup (from scratch 20, fine-tuning 10)")
     g.add_argument("--weight_decay", default=0.05, type=common.NONNEGATIVE,
                    help="AdamW weight decay (not on biases, norms and position tables)")

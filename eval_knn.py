@@ -64,18 +64,18 @@ def add_weights_args(parser):
                         "with --pretrained_weights, the architecture of that checkpoint)")
     g.add_argument("--arch", default="vit_small", choices=list(common.ARCHS),
                    help="architecture of a plain state dict (full checkpoints record their own)")
-    g.add_argument("--patch_size", default=16, type=common.POSITIVE_INT,
+    g.add_argument("--patch_size", default=16, type=common.GRID,
                    help="ViT patch size of a plain state dict")
-    g.add_argument("--window_size", default=7, type=common.POSITIVE_INT,
+    g.add_argument("--window_size", default=7, type=common.GRID,
                    help="Swin window size of a plain state dict")
     return g
 
 
 def add_eval_data_args(parser, batch_size=128):
     g = common.add_data_args(parser)
-    g.add_argument("--resize", default=256, type=common.POSITIVE_INT,
+    g.add_argument("--resize", default=256, type=common.PIXELS,
                    help="shorter side after resizing (bicubic)")
-    g.add_argument("--crop", default=224, type=common.POSITIVE_INT,
+    g.add_argument("--crop", default=224, type=common.PIXELS,
                    help="side of the center crop; for small datasets, e.g. --resize 64 --crop "
                         "64 on 64-px images")
     g.add_argument("--batch_size_per_gpu", default=batch_size, type=common.POSITIVE_INT,

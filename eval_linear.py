@@ -36,7 +36,9 @@ Where this file differs from the authors' eval_linear.py:
     that is saved and restored, so a run resumed with more --epochs follows the longer schedule;
   * the checkpoint is linear_checkpoint.pth (not checkpoint.pth.tar), and an --output_dir that
     holds another script's run (a pretraining folder) is refused, so that no run's files are
-    overwritten.
+    overwritten;
+  * as the training scripts, a SIGTERM or SIGUSR1 (a preemption) writes linear_checkpoint.pth (at
+    the epoch's end or mid-epoch) and exits 0; the same command resumes it.
 """
 import argparse
 import math
@@ -192,6 +194,7 @@ class CachedFeatures:
         self.labels = labels
         self.batch_size = batch_size
         self.seed = seed
+        self.steps = len(features) // common.get_world_size() // batch_size  # of an epoch
         if len(features) < batch_size * common.get_world_size():
             common.die(f"the train split has {len(features)} readable images, fewer than one batch "
                        f"({batch_size} per process x {common.get_world_size()} processes); lower "
@@ -224,15 +227,13 @@ class LinearClassifier(nn.Module):
 # ================================================================================================
 # One epoch, validation
 # ================================================================================================
-def train_one_epoch(model, classifier, loader, optimizer, epoch, args, device):
+def train_one_epoch(model, classifier, batches, optimizer, epoch, steps, args, device, save):
+    """Steps `steps` (a range) of `epoch` on `batches` (from the range's start). On a preemption
+    signal (in any process) `save(epoch, step)` before the epoch's end, then exit 0."""
     classifier.train()
-    n_steps = (len(loader) if not args.max_steps_per_epoch
-               else min(len(loader), args.max_steps_per_epoch))
-    total_loss = torch.zeros((), device=device)
-    bar = common.progress(loader, desc=f"epoch {epoch}", total=n_steps)
-    for it, (images, labels) in enumerate(bar):
-        if it >= n_steps:
-            break
+    total_loss = 0.0
+    bar = common.progress(batches, desc=f"epoch {epoch}", total=len(steps))
+    for it, (images, labels) in zip(steps, bar):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.no_grad():
             features = probe_features(model, images, args)
@@ -240,11 +241,13 @@ def train_one_epoch(model, classifier, loader, optimizer, epoch, args, device):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        total_loss += loss.detach()
-        bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-    loss = common.all_reduce_sum(total_loss).item() / common.get_world_size()  # mean over processes
-    return {"train_loss": loss / max(n_steps, 1),
-            "lr": optimizer.param_groups[0]["lr"]}
+        stats, preempted = common.average_step_stats({"loss": loss})  # the mean over processes
+        total_loss += stats["loss"]
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        if preempted and it + 1 < steps.stop:  # at the epoch's end main() saves
+            save(epoch, it + 1)
+            common.exit_after_preemption(args.output_dir, "linear_checkpoint.pth")
+    return {"train_loss": total_loss / max(len(steps), 1), "lr": optimizer.param_groups[0]["lr"]}
 
 
 @torch.no_grad()
@@ -322,9 +325,10 @@ def check_same_setup(ckpt, args, ckpt_path):
     if changed:
         common.die(f"{ckpt_path} holds a probe trained with other arguments: {', '.join(changed)}; "
                    f"run with its values, or use another --output_dir")
-    if ckpt["epoch"] > args.epochs:
-        common.die(f"{ckpt_path} has already trained {ckpt['epoch']} epochs, more than --epochs "
-                   f"{args.epochs}")
+    if ckpt["epoch"] + bool(ckpt["step"]) > args.epochs:
+        steps = f" and {ckpt['step']} steps" if ckpt["step"] else ""
+        common.die(f"{ckpt_path} has already trained {ckpt['epoch']} epochs{steps}, more than "
+                   f"--epochs {args.epochs}")
 
 
 def count_labels(dataset, args):
@@ -364,6 +368,7 @@ def check_own_folder(args):
 def main(args):
     """Returns the best validation top-1 (%)."""
     device = common.init_distributed(args.device)
+    common.install_preemption_handler()
     common.fix_random_seeds(args.seed)
     # recorded: with --batch_size_per_gpu, the total batch and lr
     args.world_size = common.get_world_size()
@@ -383,6 +388,7 @@ def main(args):
     ckpt = common.load_checkpoint(ckpt_path) if ckpt_path.exists() else None
     ckpt = common.agree_on_resume(ckpt_path, ckpt)         # rank 0 decides, for every node
     if ckpt is not None:
+        ckpt.setdefault("step", 0)  # a probe saved only at epoch ends
         check_same_weights(ckpt, identity, ckpt_path)
         if ckpt.get("args", {}).get("precomputed_features", False) != args.precomputed_features:
             common.die(f"{ckpt_path} holds a probe trained with --precomputed_features "
@@ -432,29 +438,41 @@ def main(args):
     # one value per epoch
     lr_schedule = common.cosine_scheduler(args.lr * total_batch / 256, 0, args.epochs, 1)
 
-    # ---- resume
-    start_epoch = 0
+    # ---- resume (log.txt kept to the epochs that the checkpoint holds)
+    start_epoch, start_step = common.resume_position(ckpt, args.output_dir)
     best_top1 = 0.0
     validated = {}  # the image counts of the last validation
     if ckpt is not None:
         common.restore(ckpt, linear=classifier, optimizer=optimizer)
-        start_epoch = ckpt["epoch"]
         best_top1 = ckpt["best_top1"]
         validated = ckpt.get("validated", {})
-        common.log(f"resumed from {ckpt_path} at epoch {start_epoch} (best top-1 so far "
-                   f"{best_top1:.2f}%)")
+        common.log(f"resumed from {ckpt_path} at epoch {start_epoch}, step {start_step} (best "
+                   f"top-1 so far {best_top1:.2f}%)")
 
+    def save(epoch, step):
+        """linear_checkpoint.pth: the probe at batch `step` of `epoch` (rank 0 writes)."""
+        if common.is_main_process():
+            common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(),
+                                    "optimizer": optimizer.state_dict(), "epoch": epoch,
+                                    "step": step, "best_top1": best_top1, "args": vars(args),
+                                    "backbone": {**info, **identity}, "data": data,
+                                    "validated": validated}, ckpt_path)
+
+    n_steps = cached.steps if args.precomputed_features else len(train_loader)
+    n_steps = min(n_steps, args.max_steps_per_epoch or n_steps)
     common.save_args(args, "eval_linear.py")  # every start-up check passed
     for epoch in range(start_epoch, args.epochs):
         for group in optimizer.param_groups:
             group["lr"] = float(lr_schedule[epoch])
+        steps = range(start_step, n_steps)
         if args.precomputed_features:   # the features are the input: the "backbone" is the identity
-            record = train_one_epoch(nn.Identity(), classifier, cached.batches(epoch), optimizer,
-                                     epoch, args, device)
+            record = train_one_epoch(nn.Identity(), classifier, cached.batches(epoch)[start_step:],
+                                     optimizer, epoch, steps, args, device, save)
         else:
-            sampler.set_epoch(epoch)
-            record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, args,
-                                     device)
+            sampler.set_epoch(epoch, start_batch=start_step)  # mid-epoch resume: skips seen ones
+            record = train_one_epoch(model, classifier, train_loader, optimizer, epoch, steps,
+                                     args, device, save)
+        start_step = 0
         if not math.isfinite(record["train_loss"]):     # a diverged probe's accuracy is no result
             common.die(f"the probe's train loss is {record['train_loss']} at epoch {epoch} (this "
                        f"epoch is not saved): lower --lr (now {args.lr:g}), or check the features")
@@ -466,15 +484,12 @@ def main(args):
         skipped = (unreadable if args.precomputed_features
                    else common.skipped_images_all_ranks(train_data, device))
         record.update(epoch=epoch, best_top1=best_top1, skipped_images=skipped)
-        if common.is_main_process():
-            common.save_checkpoint({"linear": common.unwrap(classifier).state_dict(),
-                                    "optimizer": optimizer.state_dict(),
-                                    "epoch": epoch + 1, "best_top1": best_top1, "args": vars(args),
-                                    "backbone": {**info, **identity}, "data": data,
-                                    "validated": validated}, ckpt_path)
-        common.append_log(args.output_dir, record)
+        common.append_log(args.output_dir, record)  # before the checkpoint that marks it done
+        save(epoch + 1, 0)
         common.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in record.items()))
+        if any(common.all_gather_objects(common.preemption_requested(device))):  # any signal
+            common.exit_after_preemption(args.output_dir, "linear_checkpoint.pth")
     skipped = validated.get("val_skipped_images", 0)
     common.log(f"linear probe: best top-1 {best_top1:.2f}% on "
                f"{validated.get('val_images', len(val_set))} validation images"

@@ -82,7 +82,8 @@ def get_args_parser():
     common.add_backbone_args(p, arch="swin_tiny", drop_path_rate=0.1)
 
     g = p.add_argument_group("GLSD heads and loss")
-    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2),  # K = 1: the loss is 0
+    # K = 1: the loss is 0; past 2**18 (DINO tried up to 262144) the last layer is too large
+    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2, 2 ** 18),
                    help="K, the number of prototypes of both the view head and the region head")
     g.add_argument("--local_matching", default="geometric",
                    choices=["none", "similarity", "geometric"],
@@ -105,7 +106,7 @@ def get_args_parser():
                    help="teacher temperature at epoch 0")
     g.add_argument("--teacher_temp", default=0.07, type=common.POSITIVE,
                    help="teacher temperature after warmup; above 0.07 training becomes unstable")
-    g.add_argument("--warmup_teacher_temp_epochs", default=30, type=common.NONNEGATIVE,
+    g.add_argument("--warmup_teacher_temp_epochs", default=30, type=common.SPAN,
                    help="epochs of linear teacher-temperature warmup; whole epochs ramp per epoch "
                         "as the authors' code, a fraction per step (0.5 = half an epoch)")
 
@@ -118,7 +119,7 @@ def get_args_parser():
                    help="peak lr at total batch 256 (linear scaling)")
     g.add_argument("--min_lr", default=1e-6, type=common.NONNEGATIVE,
                    help="lr at the end of the cosine schedule")
-    g.add_argument("--warmup_epochs", default=10, type=common.NONNEGATIVE,
+    g.add_argument("--warmup_epochs", default=10, type=common.SPAN,
                    help="linear lr warmup from 0 (a fraction counts steps: 0.5 = half an epoch)")
     g.add_argument("--weight_decay", default=0.04, type=common.NONNEGATIVE,
                    help="weight decay at the start (cosine)")
@@ -126,7 +127,7 @@ def get_args_parser():
                    help="weight decay at the end")
     g.add_argument("--clip_grad", default=3.0, type=common.NONNEGATIVE,
                    help="per-parameter gradient norm clip (0 = off)")
-    g.add_argument("--freeze_last_layer", default=1, type=common.NONNEGATIVE,
+    g.add_argument("--freeze_last_layer", default=1, type=common.SPAN,
                    help="epochs during which the last layers of both heads are not updated (a "
                         "fraction counts steps)")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],

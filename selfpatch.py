@@ -91,9 +91,10 @@ def get_args_parser():
     common.add_backbone_args(p, arch="vit_small", drop_path_rate=0.1)
 
     g = p.add_argument_group("DINO and SelfPatch heads and loss")
-    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2),  # K = 1: the loss is 0
+    # K = 1: the loss is 0; past 2**18 (DINO tried up to 262144) the last layer is too large
+    g.add_argument("--out_dim", default=65536, type=common.ranged(int, 2, 2 ** 18),
                    help="K, the number of prototypes of the image-token head (4096 for COCO)")
-    g.add_argument("--patch_out_dim", default=4096, type=common.ranged(int, 2),
+    g.add_argument("--patch_out_dim", default=4096, type=common.ranged(int, 2, 2 ** 18),
                    help="K_p, the number of prototypes of the patch head (4096 for ImageNet "
                         "and COCO)")
     g.add_argument("--k_num", default=4, type=common.POSITIVE_INT,
@@ -125,7 +126,7 @@ def get_args_parser():
     g.add_argument("--patch_teacher_temp", default=None, type=common.POSITIVE,
                    help="a constant teacher temperature for the patch term alone; None: the image "
                         "term's schedule")
-    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.NONNEGATIVE,
+    g.add_argument("--warmup_teacher_temp_epochs", default=0, type=common.SPAN,
                    help="epochs of linear teacher-temperature warmup; whole epochs ramp per epoch "
                         "as the authors' code, a fraction per step (0.5 = half an epoch)")
 
@@ -138,7 +139,7 @@ def get_args_parser():
                    help="peak lr at total batch 256 (linear scaling)")
     g.add_argument("--min_lr", default=1e-6, type=common.NONNEGATIVE,
                    help="lr at the end of the cosine schedule")
-    g.add_argument("--warmup_epochs", default=10, type=common.NONNEGATIVE,
+    g.add_argument("--warmup_epochs", default=10, type=common.SPAN,
                    help="linear lr warmup from 0 (a fraction counts steps: 0.5 = half an epoch)")
     g.add_argument("--weight_decay", default=0.04, type=common.NONNEGATIVE,
                    help="weight decay at the start (cosine)")
@@ -146,7 +147,7 @@ def get_args_parser():
                    help="weight decay at the end")
     g.add_argument("--clip_grad", default=3.0, type=common.NONNEGATIVE,
                    help="per-parameter gradient norm clip (0 = off)")
-    g.add_argument("--freeze_last_layer", default=1, type=common.NONNEGATIVE,
+    g.add_argument("--freeze_last_layer", default=1, type=common.SPAN,
                    help="epochs during which the heads' last layers are not updated (helps early "
                         "training; a fraction counts steps)")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],

@@ -345,8 +345,8 @@ def test_linear_probe_learns_separable_features():
     optimizer = torch.optim.SGD(classifier.parameters(), lr=0.05, momentum=0.9, weight_decay=0)
     before = eval_linear.validate(torch.nn.Identity(), classifier, val_loader, 60, 6, args, torch.device("cpu"))
     for epoch in range(15):
-        record = eval_linear.train_one_epoch(torch.nn.Identity(), classifier, loader, optimizer, epoch, args,
-                                             torch.device("cpu"))
+        record = eval_linear.train_one_epoch(torch.nn.Identity(), classifier, loader, optimizer, epoch,
+                                             range(len(loader)), args, torch.device("cpu"), save=None)
     after = eval_linear.validate(torch.nn.Identity(), classifier, val_loader, 60, 6, args, torch.device("cpu"))
     assert after["val_top1"] >= 95.0 and after["val_top5"] == 100.0
     assert after["val_loss"] < before["val_loss"] and record["train_loss"] < 0.5

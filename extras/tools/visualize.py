@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
-from torchvision.io import write_png
+from torchvision.io import encode_png
 from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 from torchvision.utils import draw_segmentation_masks, make_grid
 
@@ -112,7 +112,7 @@ def save_top_matches(path, view1, view2, prediction, score, target, valid, grid,
     colours = [GREEN if ok else RED for ok in correct]
     canvas = draw_links(side_by_side(to_uint8(view1, size), to_uint8(view2, size), gap), starts,
                         ends, colours, 2, 3, labels=range(1, len(ranked) + 1))
-    write_png(canvas, str(path))
+    write_png(canvas, path)
 
 
 def heatmap(values):
@@ -376,8 +376,13 @@ def multicrop(args, network=None):
                                         args.local_crop_size)
 
 
+def write_png(picture, path):
+    """`picture` as a PNG file: never through a symbolic link, never into a FIFO."""
+    with common.open_for_writing(path, "wb") as f:
+        f.write(encode_png(picture).numpy().tobytes())
+
+
 def save(picture, args):
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     write_png(picture, args.output)
     common.log(f"{args.picture} picture written to {args.output}")
     return picture
