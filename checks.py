@@ -39,7 +39,9 @@ def claim_output_dir(output_dir, script, checkpoint="checkpoint.pth"):
             for name in (".lock", "args.json", "log.txt", checkpoint):  # a FIFO would block
                 common.refuse_irregular(Path(output_dir) / name)
             _claim["fd"] = take_lock(Path(output_dir) / ".lock")
-            owner = recorded_script(output_dir)
+            owner = None  # the script that args.json names, if any
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                owner = json.loads((Path(output_dir) / "args.json").read_text()).get("script")
             if owner not in (None, script):
                 die(f"--output_dir {output_dir} holds a run of {owner}: give {script} its own")
         except SystemExit as e:
@@ -76,13 +78,6 @@ def take_lock(lock):
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode(), 0)
     return fd
-
-
-def recorded_script(output_dir):
-    """The script that args.json says wrote --output_dir (None: no args.json, or no record)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        return json.loads((Path(output_dir) / "args.json").read_text()).get("script")
-    return None
 
 
 # ======== 2. Start-up and resume checks ==========================================================

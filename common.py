@@ -866,15 +866,12 @@ def init_distributed(device="auto"):
         torch.backends.cudnn.allow_tf32 = True
     if (world_size > 1 or "RANK" in os.environ) and not dist.is_initialized():
         end_with_launcher()
+        # 60 minutes: the others wait in a collective while rank 0 alone writes a checkpoint or
+        # votes a large k-NN (NCCL's default 10 would end the job); a true hang still ends
         dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo",
                                 device_id=chosen if chosen.type == "cuda" else None,
-                                timeout=PROCESS_GROUP_TIMEOUT)
+                                timeout=datetime.timedelta(minutes=60))
     return chosen
-
-
-# The others wait in a collective while rank 0 alone writes a checkpoint (1 GB to a slow disk) or
-# votes a large k-NN: NCCL's default 10 minutes would end the job; a true hang is ended later.
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
 
 
 def end_with_launcher():
@@ -1214,13 +1211,11 @@ def restore(checkpoint, **objects):
         if isinstance(obj, nn.Module):
             load_state_dict_strict(unwrap(obj), checkpoint[name], what=name)
         elif isinstance(obj, torch.amp.GradScaler) and obj.is_enabled() != bool(checkpoint[name]):
-            trained = f"precision: the checkpoint was trained in {checkpoint['args']['precision']}"
-            if obj.is_enabled():  # an fp16 run resumes a bf16 or fp32 one: a new scaler
-                log(f"{trained} without a grad scaler; this run trains in fp16, whose grad "
-                    f"scaler starts at scale {obj.get_scale():g}")
-            else:
-                log(f"{trained} with a grad scaler (scale {checkpoint[name]['scale']:g}); this "
-                    f"run needs none and drops it")
+            new = (f"without a grad scaler; this run trains in fp16, whose grad scaler starts at "
+                   f"scale {obj.get_scale():g}" if obj.is_enabled() else  # a new scaler
+                   f"with a grad scaler (scale {checkpoint[name]['scale']:g}); this run needs none "
+                   f"and drops it")
+            log(f"precision: the checkpoint was trained in {checkpoint['args']['precision']} {new}")
         else:
             obj.load_state_dict(checkpoint[name])
 
