@@ -680,7 +680,7 @@ def test_pixels_knn_on_a_separable_toy_set():
         def __getitem__(self, i):
             return self.items[i]
 
-    assert results.pixels_knn_top1(Toy(40), Toy(10)) == 100.0
+    assert results.pixels_knn_by_k(Toy(40), Toy(10), (20,))[20] == 100.0
 
 
 def test_comparison_pixel_row_reads_the_datasets_by_their_flags():

@@ -12,48 +12,12 @@ a row's difference from the DINO row of its backbone is what the method adds.
     python extras/experiments/compare.py --phase test --seeds 1 --add_curve --curve_every 200
     python extras/experiments/compare.py --table    # refresh docs/COMPARISON.md from the log
 
-Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
-(geometric matching of the ViT's tokens). `swin_pico3 --fit_window true`: DINO's loss alone (dino.py
-with the Swin backbone: the pooled tokens through DINO's head), EsViT, GLSD geometric, GLSD
-similarity. Every row trains with SHARED + its backbone's flags + its method's own flags
-(METHOD_FLAGS) and nothing else; tests/test_results_presets.py checks that every shared argument
-parses to the same value in every script. A gain is over the row's own network at random
-initialisation, same seed, same read-out: the random-init rows (RANDOM_ROWS) evaluate, with
---random_init --seed, the network of their source row's training command at its first step
-(provenance.starting_checkpoint); DINO's rows stand for every row of their backbone whose network is
-the same (EsViT, GLSD), SelfPatch's CLS-free ViT read through its aggregation module has its own.
-The tables refuse to pair networks whose state dicts (keys, shapes) or image tokens differ. Raw
-pixels have a k-NN row.
-
-A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from
-its checkpoint (the method script refuses changed flags) and is logged as `resumed`.
-
-Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
-each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
-cosine, constant teacher temperature 0.04, K = 1024 for every head. A checkpoint every --curve_every
-steps is kept for the learning curve.
-
-Columns, per row and seed (one JSON line each in --log, with every command that produced it, the
-figures' lines of their raw output, UTC time, commit and machine: provenance.stamp):
-  knn_top1        eval_knn.py, 20-NN, T = 0.07, 32 px; bank: the train split (val: the other 50000)
-  linear_top1     eval_linear.py, LINEAR flags (100 epochs on features extracted once, no
-                  augmentation)
-  correspondence  extras/tools/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images:
-                  `esvit` (a view and its flip) and `overlap` (two overlapping crops), top-10 and
-                  all-token accuracy
-  collapse        extras/tools/teacher_outputs.py on 2000 images: per-image teacher entropy h and
-                  entropy of the mean target h_bar, both over ln K (h/ln K -> 1: uniform collapse;
-                  h_bar/ln K -> 0: one output wins)
-  train time, peak memory   of training alone (log.txt)
-  curve           20-NN and `overlap` all-token accuracy of the kept checkpoints (seeds in
-                  --curve_seeds)
-
-Data (--data). fashion_mnist: 60000 train / 10000 test (val: --holdout 10000). shapes: the project's
-synthetic shapes (`--dataset synthetic`) at 28 px, 8000 train / 2000 test, the shape as label.
-fashion_mnist_8k: an ImageFolder that this script writes from Fashion-MNIST's 10000 *test* images
-(8000 train / 2000 val), images that no Fashion-MNIST run trains on, at a small dataset's size. The
-second datasets only check that settings chosen on Fashion-MNIST's validation split transfer, so
-they run the test phase only.
+Rows, baselines, the shared budget (SHARED, STEPS_PER_EPOCH steps an epoch), read-outs and the
+datasets (DATA; fashion_mnist_8k is written from Fashion-MNIST's test images, which no run trains
+on): docs/COMPARISON.md, "Protocol". One JSON line per (data, row, variant, phase, seed) goes to
+--log with every command that produced it, the figures' lines of their raw output, and
+provenance.stamp. A relaunch goes on where it stopped: a logged row is skipped, a row stopped
+part-way resumes from its checkpoint (the method script refuses changed flags), logged `resumed`.
 """
 import argparse
 import json
@@ -135,9 +99,6 @@ def data_flags(data, phase, data_dir):
                  "fashion_mnist's val phase)")
     held_out = ["--holdout", str(holdout)] if phase == "val" else []
     return flags.format(data_dir=data_dir).split() + held_out
-
-
-write_fashion_mnist_8k = results.write_fashion_mnist_8k
 
 
 def row_paths(row, args, seed):
@@ -440,7 +401,7 @@ def main():
         if args.phase == "test":       # before any training: else a result without a ledger line
             provenance.check_log_writable(args.ledger, what="--ledger")
     if args.data == "fashion_mnist_8k" and rows:
-        write_fashion_mnist_8k(args.data_dir)
+        results.write_fashion_mnist_8k(args.data_dir)
     logged = provenance.read_log(args.log, LOG_KEYS) if rows and Path(args.log).exists() else []
     for kind, flag in (("linear_top1", "--add_linear"), ("curve", "--add_curve")):
         if getattr(args, flag[2:]):
@@ -483,16 +444,9 @@ def main():
                   flush=True)
     if args.table:      # every block is made before any file is written
         blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
-        documents = [(COMPARISON_MD, blocks), (APPENDIX_MD, blocks),
-                     *((path, {n: blocks[n] for n in names})
-                       for path, names in SUMMARY_FILES.items())]
-        texts = [path.read_text() for path, _ in documents]
-        refreshed = [results.refresh(text, chosen, tag=TAG)
-                     for text, (_, chosen) in zip(texts, documents)]
-        for (path, _), text, refreshed in zip(documents, texts, refreshed):
-            path.write_text(refreshed)
-            print(f"{path.relative_to(ROOT)}: "
-                  f"{'refreshed' if refreshed != text else 'already up to date'}")
+        results.write_documents({COMPARISON_MD: blocks, APPENDIX_MD: blocks,
+                                 **{path: {n: blocks[n] for n in names}
+                                    for path, names in SUMMARY_FILES.items()}}, TAG)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ image token: provenance.network_signature) is refused with one line. Lines logge
 existed are marked "no timestamp"; where their row ran again the stamped line replaces them
 (appendix.relogged_table sets the two side by side).
 """
-import json
 import statistics
 import sys
 
@@ -143,20 +142,12 @@ def test_uses(rs, entries, value_key="knn_top1"):
     return ", ".join(notes)
 
 
-def network_of(record, records):
-    """The network a logged row evaluated: its logged signature, else (lines logged before
-    signatures) that of its training command, built; a random-init row's is its source row's."""
-    if "network" in record:
-        return record["network"]
-    if record.get("random_init"):
-        key = (record["data"], RANDOM_ROWS[record["row"]], record["variant"], record["phase"],
-               record["seed"])
-        source = next((r for r in records if log_key(r) == key), None)
-        if source is None:
-            sys.exit(f"error: {record['row']} seed {record['seed']} logs no network and its source "
-                     f"row {key[1]} is not logged: which network it evaluated is unknown")
-        return network_of(source, records)
-    return json.loads(provenance.command_signature(record["commands"][0]))
+def network_of(record):
+    """The network a logged row evaluated, from its signature (every line the tables show logs
+    one; the lines without are the unstamped ones their stamped reruns replaced)."""
+    network = record.get("network") or {}
+    return " ".join(str(network.get(k, "not logged")) for k in ("arch", "image_token",
+                                                              "keys_sha256"))
 
 
 def baselines(records, data, phase):
@@ -177,7 +168,7 @@ def value(record, key):
     return record.get(key)
 
 
-def gains(rs, base, records, key="knn_top1"):
+def gains(rs, base, key="knn_top1"):
     """value(rs[i], key) minus that of its own network's random init, seed by seed; None unless
     every record has one. Exits with one line if a pair would be two different networks."""
     out = []
@@ -185,12 +176,11 @@ def gains(rs, base, records, key="knn_top1"):
         b = base.get((baseline_row(r["row"]), r["seed"]))
         if b is None or value(r, key) is None or value(b, key) is None:
             return None
-        mine, theirs = network_of(r, records), network_of(b, records)
-        if mine != theirs:
+        mine, theirs = (network_of(x) for x in (r, b))
+        if mine != theirs or "network" not in r:
             sys.exit(f"error: {r['row']} ({r['variant']}, seed {r['seed']}) cannot be paired with "
-                     f"{b['row']}: another network ({mine['arch']} {mine['image_token']} "
-                     f"{mine['keys_sha256']} vs {theirs['arch']} {theirs['image_token']} "
-                     f"{theirs['keys_sha256']}); log its own random-init row")
+                     f"{b['row']}: another network, or none logged ({mine} vs {theirs}); log its "
+                     "own random-init row")
         out.append(value(r, key) - value(b, key))
     return out
 
@@ -259,8 +249,8 @@ def comparison_table(records, data, phase, entries=None, shown=None):
             chosen = phase == "val" or row in RANDOM_ROWS or validated(records, row, variant)
             shown = variant if chosen else f"{variant} (test only)"
             knn_gain, linear_gain = ((None, None) if row in RANDOM_ROWS else
-                                     (gains(rs, base, records),
-                                      gains(rs, base, records, "linear_top1")))
+                                     (gains(rs, base),
+                                      gains(rs, base, "linear_top1")))
             corr = [r["correspondence"] for r in rs]
             flip = (f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / "
                     f"{cell([c['esvit']['accuracy'] for c in corr])}")
@@ -314,7 +304,7 @@ def summary_table(records, entries=(), data="fashion_mnist", phase="test", varia
                         key=lambda r: r["seed"])
             if not rs:
                 continue
-            gain = gains(rs, base, records)
+            gain = gains(rs, base)
             own = baseline_row(rs[0]["row"])
             own_random = cell([base[(own, r["seed"])]["knn_top1"] for r in rs])
             note = (f" (over its own random init {own_random})"
@@ -349,8 +339,8 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
             continue
         found[row] = (len(rs), {})
         for key in ("knn_top1", "linear_top1"):
-            mine = gains(rs, base, records, key)
-            theirs = gains([dino[r["seed"]] for r in rs], base, records, key)
+            mine = gains(rs, base, key)
+            theirs = gains([dino[r["seed"]] for r in rs], base, key)
             found[row][1][key] = (mine, [a - b for a,
                                          b in zip(mine, theirs)] if mine and theirs else None)
     return found
@@ -381,7 +371,7 @@ def long_budget_table(records, entries=(), data="fashion_mnist"):
             shown = variant if chosen else f"{variant} (test only)"
             lines.append(f"| {row} | {phase} | {shown} | {steps} | {len(rs)} | "
                          f"{cell([r['knn_top1'] for r in rs])} | "
-                         f"{signed(gains(rs, base, records))} | "
+                         f"{signed(gains(rs, base))} | "
                          + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})"
                             if below else "—")
                          + f" | {cell([r.get('linear_top1') for r in rs])} | {logged_dates(rs)} | "
@@ -458,13 +448,13 @@ def findings(records, data, phase, variant):
         random = [base[(baseline_row(row), r["seed"])] for r in rs
                   if (baseline_row(row), r["seed"]) in base]
         said.append((row, f"its random init ({baseline_row(row)})",
-                     {k: told(gains(rs, base, records, k), rs + random, k) for k in READOUTS}))
+                     {k: told(gains(rs, base, k), rs + random, k) for k in READOUTS}))
         dino = {r["seed"]: r for r in by_row.get(f"{METHOD_FLAGS[row][0]}_dino", [])}
         if not row.endswith("_dino") and all(r["seed"] in dino for r in rs):
             theirs = [dino[r["seed"]] for r in rs]
             said.append((row, f"{METHOD_FLAGS[row][0]}_dino (gain minus its gain)", {
-                k: told([a - b for a, b in zip(gains(rs, base, records, k) or [],
-                                                  gains(theirs, base, records, k) or [])],
+                k: told([a - b for a, b in zip(gains(rs, base, k) or [],
+                                                  gains(theirs, base, k) or [])],
                         rs + theirs, k) for k in READOUTS}))
         if pixels and rs[0]["steps"] > 400:
             said.append((row, "the raw pixels (20-NN)", {

@@ -22,7 +22,6 @@ not a script).
 import contextlib
 import datetime
 import fcntl
-import functools
 import hashlib
 import importlib
 import io
@@ -198,23 +197,6 @@ def initial_checkpoint(command, seed=None):
     state = model.state_dict()
     return {"teacher": state, "student": state, "args": vars(args), "method": module.__name__,
             "backbone": common.backbone_record(model.backbone, image_token=image_token)}
-
-
-def command_signature(command):
-    """network_signature of what a logged training command trains (built, not trained), as JSON."""
-    words = command.split()
-    # no bearing on the network
-    where = {"--seed", "--output_dir", "--holdout", "--dataset", "--data_path"}
-    kept = [w for i,
-            w in enumerate(words) if w not in where and (i == 0 or words[i - 1] not in where)]
-    return signature_of_flags(" ".join(kept))
-
-
-@functools.lru_cache(maxsize=None)
-def signature_of_flags(command):
-    import torch
-    with torch.device("meta"):           # shapes only: nothing is initialised
-        return json.dumps(network_signature(initial_checkpoint(command, seed=0)), sort_keys=True)
 
 
 def starting_checkpoint(command, path):

@@ -259,7 +259,7 @@ def main():
         provenance.check_log_writable(args.ledger, what="--ledger")
     for job in [args] if not args.table else []:
         if "fashion_mnist_8k" in (job.data, job.eval_data):
-            compare.write_fashion_mnist_8k(job.data_dir)
+            results.write_fashion_mnist_8k(job.data_dir)
         record = run(job)
         with provenance.locked(job.log):
             provenance.append_line(job.log, record)
@@ -270,12 +270,8 @@ def main():
               flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
-        texts = {path: (ROOT / path).read_text() for path in TARGETS}
-        for path, names in TARGETS.items():
-            refreshed = results.refresh(texts[path], {n: blocks[n] for n in names},
-                                        tag="quickstart.py")
-            (ROOT / path).write_text(refreshed)
-            print(f"{path}: {'refreshed' if refreshed != texts[path] else 'already up to date'}")
+        results.write_documents({ROOT / path: {n: blocks[n] for n in names}
+                                 for path, names in TARGETS.items()}, "quickstart.py")
 
 
 if __name__ == "__main__":

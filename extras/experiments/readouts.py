@@ -23,10 +23,7 @@ import provenance  # noqa: E402
 # Fashion-MNIST ImageFolder of compare.py's `fashion_mnist_8k`
 # ------------------------------------------------------------------------------------------------
 def knn_top1(output):
-    match = re.search(r"20-NN classifier result: top-1 ([0-9.]+)%", output)
-    if not match:
-        sys.exit("error: no 20-NN result in eval_knn.py's output")
-    return float(match.group(1))
+    return knn_top1_by_k(output)["20"]
 
 
 def knn_top1_by_k(output):
@@ -64,15 +61,10 @@ def parse_collapse(output):
 KNN_KS = (10, 20, 100, 200)      # DINO's k of its k-NN evaluation
 
 
-def pixels_knn_top1(bank, queries, resize=32, crop=32):
-    """20-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are evaluated on them:
-    eval_knn.py's transform (bicubic resize, centre crop, normalisation) flattened and
-    l2-normalised. `bank` and `queries` are labelled datasets of PIL images."""
-    return pixels_knn_by_k(bank, queries, (20,), resize, crop)[20]
-
-
 def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
-    """{k: top-1} of pixels_knn_top1's k-NN at each k of `ks`, the features made once."""
+    """{k: top-1} of the k-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are
+    evaluated on them (eval_knn.py's transform flattened and l2-normalised) at each k of `ks`.
+    `bank` and `queries` are labelled datasets of PIL images."""
     transform = common.eval_transform(resize, crop)
 
     def features(dataset):

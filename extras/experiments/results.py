@@ -38,8 +38,7 @@ import provenance  # noqa: E402
 import split_ledger  # noqa: E402
 from claims import DRLOC_ARCHS, DRLOC_EPOCHS, drloc_regime, paired_difference  # noqa: E402,F401
 from readouts import (KNN_KS, knn_top1, knn_top1_by_k, parse_collapse,  # noqa: E402,F401
-                      parse_correspondence, pixels_knn_by_k, pixels_knn_top1,
-                      write_fashion_mnist_8k)
+                      parse_correspondence, pixels_knn_by_k, write_fashion_mnist_8k)
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"       # the detail blocks, out of the reader's path
@@ -103,8 +102,8 @@ def pixels_top1(phase):
     test, the test split against the train split."""
     data = argparse.Namespace(dataset="fashion_mnist", data_path=None,
                               holdout=HOLDOUT if phase == "val" else 0)
-    return pixels_knn_top1(common.build_dataset(data, train=True),
-                           common.build_dataset(data, train=False))
+    return pixels_knn_by_k(common.build_dataset(data, train=True),
+                           common.build_dataset(data, train=False), (20,))[20]
 
 
 def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None, reason=""):
@@ -402,8 +401,18 @@ def generated_blocks(records, ledger=None):
     blocks["commands"] = "```bash\n" + "\n".join(reproducing_commands(records)) + "\n```"
     blocks["drloc_regime"] = drloc_regime(records)
     blocks["test_uses"] = uses
-    blocks["withdrawn"] = split_ledger.withdrawn_table(entries, {"results.py"})
     return blocks
+
+
+def write_documents(documents, tag="results.py"):
+    """Refresh the `tag` blocks of each document ({path: its blocks}), every block made before any
+    file is written, and say which changed."""
+    texts = {path: path.read_text() for path in documents}
+    refreshed = {path: refresh(texts[path], blocks, tag) for path, blocks in documents.items()}
+    for path, text in refreshed.items():
+        path.write_text(text)
+        print(f"{path.relative_to(ROOT)}: "
+              f"{'refreshed' if text != texts[path] else 'already up to date'}")
 
 
 def refresh(markdown, blocks, tag="results.py"):
@@ -478,12 +487,7 @@ def main():
                   f"{record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
-        for path in (RESULTS_MD, APPENDIX_MD):
-            markdown = path.read_text()
-            refreshed = refresh(markdown, blocks)
-            path.write_text(refreshed)
-            print(f"{path.relative_to(ROOT)}: "
-                  f"{'refreshed' if refreshed != markdown else 'already up to date'}")
+        write_documents({RESULTS_MD: blocks, APPENDIX_MD: blocks})
 
 
 if __name__ == "__main__":

@@ -192,16 +192,6 @@ def use_note(entries, key, record, value):
     return f"use {number} of {len(uses)}"
 
 
-def reword_reason(path, use_id, reason, why):
-    """Append a new wording of a use's reason (the ledger is never rewritten): the documents
-    show it; `why` says what was wrong with the first."""
-    if use_id not in {e.get("id") for e in read_ledger(path) if e["kind"] == "use"}:
-        sys.exit(f"error: {path} holds no test use {use_id}")
-    with locked(path):
-        append_line(path, {"kind": "reason", "id": use_id, "reason": reason, "why": why,
-                           "utc": utc_now()}, what="--ledger")
-
-
 def uncommitted_code(entry, top_level=False):
     """Whether a use ran with a Python file that differed from its commit (top_level: a method file,
     common.py or an evaluation script, the code that computes the figure)."""
