@@ -262,9 +262,9 @@ def test_comparison_parses_the_evaluation_scripts_output():
     metrics = {"top10_accuracy": 12.5, "top10_distance": 1.25, "accuracy": 33.75, "chance_accuracy": 1.56,
                "distance": 2.5, "pairs": 500}
     text = "\n".join("[12:00:00] " + eval_correspondence.format_metrics(p, metrics) for p in ("esvit", "overlap"))
-    parsed = results.parse_correspondence(text)
+    parsed = provenance.parse_correspondence(text)
     assert parsed["overlap"] == {k: v for k, v in metrics.items() if k != "pairs"} and set(parsed) == {"esvit", "overlap"}
-    collapse = results.parse_collapse("dino teacher at temperature 0.04, 2000 images, K = 1024 (ln K = 6.93):\n"
+    collapse = provenance.parse_collapse("dino teacher at temperature 0.04, 2000 images, K = 1024 (ln K = 6.93):\n"
                                       "per-image entropy 6.10 | entropy of the mean target 6.80 | arg-max outputs 9 of 1024")
     assert collapse == pytest.approx({"teacher_entropy": 6.10, "mean_target_entropy": 6.80, "ln_k": 6.931471805599453})
 

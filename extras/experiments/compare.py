@@ -21,6 +21,7 @@ part-way resumes from its checkpoint (the method script refuses changed flags), 
 """
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,9 +32,9 @@ import split_ledger  # noqa: E402
 import results  # noqa: E402
 import compare_tables  # noqa: E402
 import appendix  # noqa: E402
-from readouts import CORRESPONDENCE_IMAGES, EVAL, LINEAR, Evaluator  # noqa: E402,F401
+from provenance import EVAL, LINEAR, Evaluator  # noqa: E402,F401  (tests read them here)
 from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
-                            baseline_row, comparison_table, log_key, summary_table)
+                            comparison_table, log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
@@ -99,6 +100,26 @@ def data_flags(data, phase, data_dir):
                  "fashion_mnist's val phase)")
     held_out = ["--holdout", str(holdout)] if phase == "val" else []
     return flags.format(data_dir=data_dir).split() + held_out
+
+
+
+
+
+def write_fashion_mnist_8k(data_dir):
+    """Fashion-MNIST's 10000 test images as an ImageFolder (extras/experiments/compare.py's
+    `fashion_mnist_8k`): the first 8000 in train/, the last 2000 in val/, one PNG each under its
+    class name. Kept if it is already complete."""
+    root = Path(data_dir) / "fashion_mnist_8k"
+    if root.is_dir() and len(list(root.glob("*/*/*.png"))) == 10000:
+        return root
+    test = common.FashionMNIST(train=False)
+    for i in range(len(test)):
+        image, label = test[i]
+        name = re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
+        folder = root / ("train" if i < 8000 else "val") / name
+        folder.mkdir(parents=True, exist_ok=True)
+        image.convert("L").save(folder / f"{i:05d}.png")
+    return root
 
 
 def row_paths(row, args, seed):
@@ -401,7 +422,7 @@ def main():
         if args.phase == "test":       # before any training: else a result without a ledger line
             provenance.check_log_writable(args.ledger, what="--ledger")
     if args.data == "fashion_mnist_8k" and rows:
-        results.write_fashion_mnist_8k(args.data_dir)
+        write_fashion_mnist_8k(args.data_dir)
     logged = provenance.read_log(args.log, LOG_KEYS) if rows and Path(args.log).exists() else []
     for kind, flag in (("linear_top1", "--add_linear"), ("curve", "--add_curve")):
         if getattr(args, flag[2:]):

@@ -259,7 +259,7 @@ def main():
         provenance.check_log_writable(args.ledger, what="--ledger")
     for job in [args] if not args.table else []:
         if "fashion_mnist_8k" in (job.data, job.eval_data):
-            results.write_fashion_mnist_8k(job.data_dir)
+            compare.write_fashion_mnist_8k(job.data_dir)
         record = run(job)
         with provenance.locked(job.log):
             provenance.append_line(job.log, record)

@@ -7,19 +7,12 @@ own scale (32 px crops of the 28 px images), over several seeds. Not collected b
     python extras/experiments/results.py --runs pixels    # the k-NN on raw pixels, for scale
     python extras/experiments/results.py --table          # refresh docs/RESULTS.md from the log
 
-Phases. `val` trains with `--holdout 10000` and evaluates on those last 10000 train images (the
-other 50000 are the k-NN bank): every recipe and variant was chosen there. `test` trains on all
-60000 and evaluates once on the 10000 test images. Each run is also evaluated at its random
-initialisation (`eval_knn.py --random_init` on its own checkpoint: same architecture, windows and
-seed). k-NN: k = 20, T = 0.07. One JSON line per (run, variant, phase, seed) goes to --log with the
-exact commands, train time and peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a
-recipe under its own name (SelfPatch's were searched on a one-epoch base, `selfpatch_epochs1`).
-
-`--table` rewrites the generated blocks of docs/RESULTS.md (between `<!-- results.py:NAME -->` and
-`<!-- /results.py -->`) from the stamped lines (UTC time, commit, machine): the two tables, DRLoc's
-paired comparisons and, for every row, the results.py command that reproduces it (the flags that
-differ from the recipe as it stands now are recovered from the logged training command by parsing
-both with the script's own parser). The prose around the blocks is written by hand.
+Phases, baseline and measure: docs/RESULTS.md, "Protocol". One JSON line per (run, variant, phase,
+seed) goes to --log with the exact commands, train time, peak memory and provenance.stamp;
+`--variant NAME --extra "FLAGS"` logs a variant of a recipe under its own name. `--table` rewrites
+the generated blocks (`<!-- results.py:NAME -->` ... `<!-- /results.py -->`) of docs/RESULTS.md
+and docs/APPENDIX.md from the stamped lines, each row's command included (its flags that differ
+from the recipe as it stands now, parsed with the script's own parser).
 """
 import argparse
 import importlib
@@ -30,15 +23,17 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import claims  # noqa: E402
 import common  # noqa: E402
+import eval_knn  # noqa: E402
 import provenance  # noqa: E402
 import split_ledger  # noqa: E402
 from claims import DRLOC_ARCHS, DRLOC_EPOCHS, drloc_regime, paired_difference  # noqa: E402,F401
-from readouts import (KNN_KS, knn_top1, knn_top1_by_k, parse_collapse,  # noqa: E402,F401
-                      parse_correspondence, pixels_knn_by_k, write_fashion_mnist_8k)
+from provenance import KNN_KS, knn_top1  # noqa: E402
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"       # the detail blocks, out of the reader's path
@@ -95,6 +90,24 @@ RUNS = {
        for suffix, extra in (("", ""), ("_base", " --lambda_drloc 0"))},
 }
 HOLDOUT = 10000
+
+
+def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
+    """{k: top-1} of the k-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are
+    evaluated on them (eval_knn.py's transform flattened and l2-normalised) at each k of `ks`.
+    `bank` and `queries` are labelled datasets of PIL images."""
+    transform = common.eval_transform(resize, crop)
+
+    def features(dataset):
+        pairs = [dataset[i] for i in range(len(dataset))]
+        pixels = torch.stack([transform(image.convert("RGB")).flatten() for image, _ in pairs])
+        labels = torch.tensor([label for _, label in pairs])
+        return torch.nn.functional.normalize(pixels, dim=1), labels
+
+    (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
+    return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels,
+                                       k=k, T=0.07, num_classes=len(bank.classes))[0]
+            for k in ks if k <= len(bank_labels)}        # no k past the bank's size
 
 
 def pixels_top1(phase):
