@@ -220,17 +220,24 @@ def test_comparison_rows_parse_with_their_scripts(row, data):
     assert args.dataset == {"fashion_mnist": "fashion_mnist", "shapes": "synthetic", "fashion_mnist_8k": "folder"}[data]
 
 
+# the arguments that belong to a method (allowed to differ from its backbone's DINO row)
+OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops",
+                             "patch_loss_weight", "patch_teacher_temp"},
+            "esvit.py": {"use_region_loss", "init_from"},
+            "glsd.py": {"local_matching", "match_threshold"}}
+
+
 @pytest.mark.parametrize("row", [r for r in compare.METHOD_FLAGS if not r.endswith("_dino")])
 def test_within_a_backbone_only_the_methods_own_arguments_differ_from_dino(row):
     """Every argument that the row's script shares with dino.py parses to the DINO row's value."""
     backbone, script, own = compare.METHOD_FLAGS[row]
     _, args = parse_row(row, phase="val")
     _, dino = parse_row(f"{backbone}_dino", phase="val")
-    shared = (set(vars(args)) & set(vars(dino))) - compare.OWN_ARGS[script] - {"output_dir"}
+    shared = (set(vars(args)) & set(vars(dino))) - OWN_ARGS[script] - {"output_dir"}
     assert shared >= {"lr", "out_dim", "teacher_temp", "global_crops_scale", "norm_last_layer", "holdout", "epochs"}
     assert {k: vars(args)[k] for k in shared} == {k: vars(dino)[k] for k in shared}
-    assert set(vars(args)) - set(vars(dino)) <= compare.OWN_ARGS[script]
-    assert {flag[2:] for flag in own.split()[::2]} <= compare.OWN_ARGS[script]
+    assert set(vars(args)) - set(vars(dino)) <= OWN_ARGS[script]
+    assert {flag[2:] for flag in own.split()[::2]} <= OWN_ARGS[script]
 
 
 def test_comparison_evaluation_flags_parse_with_their_scripts():
@@ -239,9 +246,9 @@ def test_comparison_evaluation_flags_parse_with_their_scripts():
     import eval_correspondence
     import teacher_outputs
     for data in compare.DATA:
-        flags = compare.data_flags(data, "test", "runs/data") + compare.EVAL.split()
+        flags = compare.data_flags(data, "test", "runs/data") + provenance.EVAL.split()
         assert eval_knn.get_args_parser().parse_args(flags + ["--nb_knn", "20"]).crop == 32
-        linear = eval_linear.get_args_parser().parse_args(flags + compare.LINEAR.split())
+        linear = eval_linear.get_args_parser().parse_args(flags + provenance.LINEAR.split())
         assert linear.val_freq == linear.epochs    # validated once, after the last epoch: no choice on the test split
         assert teacher_outputs.get_args_parser().parse_args(flags + ["--pretrained_weights", "x"]).resize == 32
         eval_correspondence.get_args_parser().parse_args(compare.data_flags(data, "test", "runs/data") + ["--crop_size", "32"])

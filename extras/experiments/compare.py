@@ -32,7 +32,7 @@ import split_ledger  # noqa: E402
 import results  # noqa: E402
 import compare_tables  # noqa: E402
 import appendix  # noqa: E402
-from provenance import EVAL, LINEAR, Evaluator  # noqa: E402,F401  (tests read them here)
+from provenance import Evaluator  # noqa: E402
 from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
                             comparison_table, log_key, summary_table)
 
@@ -60,12 +60,6 @@ SHARED = ("--global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
           "--warmup_teacher_temp_epochs 0 --batched_crops true --num_workers 0")
 # BACKBONES, METHOD_FLAGS (row: backbone, script, the method's own flags), RANDOM_ROWS, ROWS:
 # compare_tables.py
-# the arguments that belong to a method (allowed to differ from its backbone's DINO row)
-OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops",
-                             "patch_loss_weight", "patch_teacher_temp"},
-            "esvit.py": {"use_region_loss", "init_from"},
-            "glsd.py": {"local_matching", "match_threshold"}}
-
 DATA = {   # name: (dataset flags, held-out images for the val phase or None)
     "fashion_mnist": ("--dataset fashion_mnist", 10000),
     "shapes": ("--dataset synthetic --synthetic_images 8000 --synthetic_image_size 28", None),

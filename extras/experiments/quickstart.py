@@ -15,10 +15,9 @@ README.md and docs/COMPARISON.md from the log. Not collected by pytest.
     python extras/experiments/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
---holdout 10000 in the val phase; it resumes (a finished run is not trained again), so a second
---eval_data evaluates the same checkpoint. Lines logged before stamps existed are marked "no
-timestamp"; of several lines with the same (data, trained on, phase, variant), the tables show the
-last one logged, and the others are listed under its table with both figures.
+--holdout 10000 in the val phase; a second --eval_data evaluates the same checkpoint. Of several
+lines with the same (data, trained on, phase, variant), the tables show the last one logged and
+list the others under it with both figures.
 """
 import argparse
 import json

@@ -414,6 +414,7 @@ def generated_blocks(records, ledger=None):
     blocks["commands"] = "```bash\n" + "\n".join(reproducing_commands(records)) + "\n```"
     blocks["drloc_regime"] = drloc_regime(records)
     blocks["test_uses"] = uses
+    blocks["withdrawn"] = split_ledger.withdrawn_table(entries, {"results.py"})
     return blocks
 
 
