@@ -138,20 +138,14 @@ def finished(record, evaluate, started):
             **provenance.stamp(started)}
 
 
-def ledger_use(row, args, seed, evaluation="row", check_only=False):
-    """On the test phase: the ledger's line of this evaluation, appended as it is about to read the
-    first test image (a second use of the same row, seed and budget is refused without --reason;
-    check_only: refused before any training, nothing recorded); its id, or None on val."""
-    if args.phase != "test":
-        return None
+def ledger_use(row, args, seed, evaluation="row"):
+    """The ledger's guard of this evaluation (split_ledger.ledger_guard): a second test use of the
+    same row, seed and budget is refused now without --reason; calling it records the use."""
     command = " ".join(train_command(row, args, seed)) if row != "pixels" else \
         f"python extras/experiments/compare.py --data {args.data} --phase test --rows pixels"
     use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
            "evaluation": evaluation, "command": command}
-    if check_only:
-        split_ledger.check_test_use(args.ledger, use, args.reason)
-        return None
-    return split_ledger.record_test_use(args.ledger, use, args.reason)
+    return split_ledger.ledger_guard(args.ledger, use, args.reason, args.phase == "test")
 
 
 def run_row(row, args, seed):
@@ -160,12 +154,11 @@ def run_row(row, args, seed):
     started = provenance.start()
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase,
               "seed": seed, "steps": args.steps}
-    ledger_use(row, args, seed, check_only=True)
+    use = ledger_use(row, args, seed)
 
     def before_test():
-        use = ledger_use(row, args, seed)
-        if use:
-            record["test_use"] = use
+        if use():
+            record["test_use"] = use.id
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
         before_test()
@@ -280,7 +273,7 @@ def add_evaluation(row, args, seed, kind):
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
     if kind == "curve":
         check_kept(logged[0], kept_paths(out, args))
-    use = ledger_use(row, args, seed, kind)
+    use = ledger_use(row, args, seed, kind)()
     started = provenance.start()
     evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
     value = (evaluate.linear(weights, random_init=row in RANDOM_ROWS) if kind == "linear_top1"
@@ -384,20 +377,7 @@ def get_args_parser():
                         "--curve_every steps by the logged --rows and "
                         "--seeds that have no learning curve yet (seeds not in "
                         "--curve_seeds), into their log lines")
-    p.add_argument("--variant", default="recipe",
-                   help="name under which a variant (--extra) is logged")
-    p.add_argument("--extra", default="",
-                   help="training flags added to every trained row (a variant)")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "compare"),
-                   help="output directories of the runs")
-    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
-                   help="where the built datasets (fashion_mnist_8k) are written")
-    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "compare_32px.jsonl"),
-                   help="one JSON line per (data, row, variant, phase, seed) is appended here")
-    p.add_argument("--table", action="store_true",
-                   help="rewrite the generated blocks of docs/COMPARISON.md from --log")
-    split_ledger.add_ledger_args(p)
-    return p
+    return split_ledger.add_driver_args(p, "compare", "compare_32px.jsonl", data_dir=True)
 
 
 def main():

@@ -1,15 +1,8 @@
 """The rows of extras/experiments/compare.py's controlled comparison, and the generated blocks of
-docs/COMPARISON.md, docs/APPENDIX.md, README.md and docs/RESULTS.md made from its log (not a
-script).
-
-Every figure in a block is a logged value or is computed here from logged, unrounded values: a gain
-is a row's value minus that of its own network at random initialisation (same seed, same read-out,
-`baseline_row`), a difference between methods is the difference of their gains seed by seed; both
-are rounded only when written. A pairing of two different networks (state-dict keys and shapes, or
-image token: provenance.network_signature) is refused with one line. Lines logged before stamps
-existed are marked "no timestamp"; where their row ran again the stamped line replaces them
-(appendix.relogged_table sets the two side by side).
-"""
+docs/COMPARISON.md, README.md and docs/RESULTS.md made from its log (not a script). Every figure
+is a logged value or computed from logged, unrounded values and rounded only when written: a gain
+is a row's value minus that of its own network at random initialisation (`baseline_row`; a pairing
+of two different networks is refused), a difference between methods that of their gains."""
 import statistics
 import sys
 
@@ -17,6 +10,7 @@ import claims
 import provenance
 import results
 import split_ledger
+from provenance import always
 
 # ------------------------------------------------------------------------------------------------
 # The rows: backbones, each method's own flags, the random-init rows, the summary's columns,
@@ -54,10 +48,6 @@ def evaluated(r):
     return r.get("row") != "pixels"
 
 
-def always(r):
-    return True
-
-
 # every field of a log line that the tables and the curves read: (key, kind, for which lines,
 # optional); provenance.check_fields refuses a line without them in one line
 FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
@@ -86,9 +76,9 @@ CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", alway
 
 cell = results.cell
 TAG = "compare.py"
-# images a read-out is evaluated on: its binomial error (the correspondence: its first 500)
+# images a read-out is evaluated on: its binomial error (the correspondence: its first
+# provenance.CORRESPONDENCE_IMAGES)
 IMAGES = {"fashion_mnist": 10000, "fashion_mnist_8k": 2000, "shapes": 2000}
-CORRESPONDENCE_IMAGES = 500
 
 
 def read_checked(path, what="--log"):
@@ -271,14 +261,17 @@ def comparison_table(records, data, phase, entries=None, shown=None):
     return "\n".join(lines)
 
 
+def error_of(rs, data, key):
+    """The binomial error of one evaluation of the read-out `key` at the worst accuracy of `rs`."""
+    images = provenance.CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data]
+    return claims.binomial_error([value(r, key) for r in rs], images)
+
+
 def verdict_of(diffs, rs, data, key):
-    """`diffs` (seed by seed) as the rule judges them: "+0.82: finding" (claims.finding, with the
-    binomial error of one evaluation of the read-out `key` at the worst accuracy of `rs`)."""
+    """`diffs` (seed by seed) as the rule judges them: "+0.82: finding" (claims.finding)."""
     if not diffs:
         return "—"
-    error = claims.binomial_error([value(r, key) for r in rs],
-                                  CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data])
-    return f"{statistics.mean(diffs):+.2f}: {claims.finding(diffs, error)}"
+    return f"{statistics.mean(diffs):+.2f}: {claims.finding(diffs, error_of(rs, data, key))}"
 
 
 def summary_table(records, entries=(), data="fashion_mnist", phase="test", variant="recipe"):
@@ -438,11 +431,7 @@ def findings(records, data, phase, variant):
     said = []
 
     def told(diffs, rs, key):
-        if not diffs:
-            return None
-        error = claims.binomial_error([value(r, key) for r in rs],
-                                      CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data])
-        return claims.told(diffs, error)
+        return claims.told(diffs, error_of(rs, data, key)) if diffs else None
     for row in (r for r in ROWS if r in by_row):
         rs = by_row[row]
         random = [base[(baseline_row(row), r["seed"])] for r in rs

@@ -91,14 +91,13 @@ def run(args):
     use = {"driver": "quickstart.py", "data": args.eval_data or args.data,
            "row": f"dino trained on {args.data}", "seed": 0, "budget": args.steps,
            "evaluation": "row", "command": " ".join(["python", *train])}
-    if args.phase == "test":        # refused before training; recorded before the split is read
-        split_ledger.check_test_use(args.ledger, use, args.reason)
+    # refused before training; recorded as the split is about to be read
+    use = split_ledger.ledger_guard(args.ledger, use, args.reason, args.phase == "test")
     start = time.time()
     provenance.run([sys.executable, *train], out / "train.txt")
     provenance.check_trained(train, out)
     train_seconds = round(time.time() - start, 1)
-    use = (split_ledger.record_test_use(args.ledger, use, args.reason)
-           if args.phase == "test" else None)
+    use()
     raw = {}
     for key, command in (("knn", evaluation), ("random_init", baseline)):
         raw[key] = knn_line(provenance.run([sys.executable, *command],
@@ -114,7 +113,7 @@ def run(args):
             "precision": json.loads((out / "args.json").read_text()).get("precision"),
             "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)],
             "raw_output": raw,
-            **({"resumed": True} if resumed else {}), **({"test_use": use} if use else {}),
+            **({"resumed": True} if resumed else {}), **({"test_use": use.id} if use.id else {}),
             **provenance.stamp(started)}
 
 
@@ -230,17 +229,8 @@ def get_args_parser():
                    help="the data of the k-NN (default --data)")
     p.add_argument("--phase", default="test", choices=["val", "test"])
     p.add_argument("--steps", default=400, type=int, help="training steps (a multiple of 50)")
-    p.add_argument("--variant", default="quickstart", help="name under which the run is logged")
-    p.add_argument("--extra", default="", help="training flags added to the README's")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "quickstart_log"),
-                   help="output directories of the runs")
-    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
-                   help="where compare.py's built datasets are written")
-    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
-    p.add_argument("--table", action="store_true",
-                   help="run nothing: rewrite the generated blocks from --log")
-    split_ledger.add_ledger_args(p)
-    return p
+    return split_ledger.add_driver_args(p, "quickstart_log", "quickstart.jsonl", "quickstart",
+                                        data_dir=True)
 
 
 def main():

@@ -123,26 +123,16 @@ def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None,
     """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine). On the test
     phase its ledger line is appended first (`ledger`: the ledger's path)."""
     started = provenance.start()
-    ledger = ledger or split_ledger.LEDGER
-    use = ledger_use(name, extra, phase, seed, ledger, reason, check_only=True)
-    ids = []
-
-    def before_test():
-        """Record the use as the first test image is about to be read (DRLoc: before training,
-        whose every epoch evaluates; the others: after it)."""
-        if use and not ids:
-            ids.append(ledger_use(name, extra, phase, seed, ledger, reason))
-    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
-                                          before_test)
-    return {**record, **({"test_use": ids[0]} if ids else {}), **provenance.stamp(started)}
+    # recorded as the first test image is about to be read (DRLoc: before training, whose every
+    # epoch evaluates; the others: after it)
+    use = ledger_use(name, extra, phase, seed, ledger or split_ledger.LEDGER, reason)
+    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir, use)
+    return {**record, **({"test_use": use.id} if use.id else {}), **provenance.stamp(started)}
 
 
-def ledger_use(name, extra, phase, seed, ledger, reason, check_only=False):
-    """The ledger's id of a test-phase run (None on val); check_only: refuse a second use without
-    a reason, recording nothing. Its budget: the epochs its training command ends with (later
-    flags win)."""
-    if phase != "test":
-        return None
+def ledger_use(name, extra, phase, seed, ledger, reason):
+    """The ledger's guard of a run (split_ledger.ledger_guard); its budget: the epochs its training
+    command ends with (later flags win)."""
     script, flags = RUNS[name]
     if script is None:
         command = "python extras/experiments/results.py --runs pixels --phase test"
@@ -152,10 +142,7 @@ def ledger_use(name, extra, phase, seed, ledger, reason, check_only=False):
         budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
     use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
            "budget": budget, "evaluation": "row", "command": command}
-    if check_only:
-        split_ledger.check_test_use(ledger, use, reason)
-        return True
-    return split_ledger.record_test_use(ledger, use, reason)
+    return split_ledger.ledger_guard(ledger, use, reason, phase == "test")
 
 
 def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
@@ -449,18 +436,7 @@ def get_args_parser():
                    help="val: train on 50k, evaluate on the held-out 10k train images; test: the "
                         "reported numbers")
     p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
-    p.add_argument("--variant", default="recipe",
-                   help="name under which a variant (--extra) is logged")
-    p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"),
-                   help="output directories of the runs")
-    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
-                   help="one JSON line per (run, variant, phase, seed) is appended here")
-    p.add_argument("--table", action="store_true",
-                   help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from "
-                        "--log")
-    split_ledger.add_ledger_args(p)
-    return p
+    return split_ledger.add_driver_args(p, "results", "results_32px.jsonl")
 
 
 def main():

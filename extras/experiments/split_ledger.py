@@ -17,12 +17,26 @@ LEDGER = ROOT / "docs" / "data" / "test_ledger.jsonl"
 LEDGER_KEY = ("driver", "data", "row", "seed", "budget", "evaluation")
 
 
-def add_ledger_args(parser):
-    """--ledger and --reason, the same in every driver that may evaluate on the test split."""
+def add_driver_args(parser, work_dir, log, variant="recipe", data_dir=False):
+    """The flags of every driver (--ledger and --reason: the ledger's): its runs' folder under
+    runs/ (`work_dir`), its log under docs/data/ (`log`), and the built datasets' (`data_dir`)."""
+    parser.add_argument("--variant", default=variant,
+                        help="name under which a variant (--extra) is logged")
+    parser.add_argument("--extra", default="", help="training flags added to the recipe's")
+    parser.add_argument("--work_dir", default=str(ROOT / "runs" / work_dir),
+                        help="output directories of the runs")
+    if data_dir:
+        parser.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
+                            help="where compare.py's built datasets (fashion_mnist_8k) are written")
+    parser.add_argument("--log", default=str(ROOT / "docs" / "data" / log),
+                        help="one JSON line per run is appended here")
+    parser.add_argument("--table", action="store_true",
+                        help="rewrite the generated blocks of the documents from --log")
     parser.add_argument("--ledger", default=str(LEDGER),
                         help="every test-phase run is appended here before it starts")
     parser.add_argument("--reason", default="", help="why a test evaluation is repeated (refused "
                         "without one); the ledger and the documents show it")
+    return parser
 
 
 def read_ledger(path):
@@ -131,6 +145,22 @@ def record_test_use(path, use, reason=""):
                  "machine": {"cpu": cpu_model(), "cores": os.cpu_count()}}
         append_line(path, entry, what="--ledger")
     return entry["id"]
+
+
+def ledger_guard(path, use, reason, test=True):
+    """A driver's test use (`use`: its key and command; `test` false: the val phase, nothing): one
+    of a key the ledger holds is refused now, before any training, without `reason`; the function
+    returned records it when first called, as the first test image is about to be read, and keeps
+    its id as `.id` (None until then)."""
+    if test:
+        check_test_use(path, use, reason)
+
+    def record():
+        if test and record.id is None:
+            record.id = record_test_use(path, use, reason)
+        return record.id
+    record.id = None
+    return record
 
 
 def record_test_result(path, use_id, result):
