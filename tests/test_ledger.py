@@ -67,7 +67,7 @@ def test_the_ledger_holds_the_past_reconstructed_and_the_withdrawn_lines():
         assert all(not e.get("reconstructed") and "four k" in e["reason"] for e in later)
     log = provenance.read_log(ROOT / "docs" / "data" / "compare_32px.jsonl")
     assert {(r["row"], r["knn_top1"]) for r in log if r.get("withdrawn")} == withdrawn
-    shown = compare_tables.current(log)[0]
+    shown = compare_tables.current(log)
     assert not any(r.get("withdrawn") for r in shown)  # in the log, not in the tables
     blocks = compare.generated_blocks(log)
     assert all(

@@ -177,7 +177,7 @@ def test_generated_blocks_of_the_documents_are_the_generators_output_for_the_com
 def test_every_line_the_documents_publish_holds_its_time_commit_and_machine():
     """A line written before stamps existed is published only beside its stamped rerun (the `relogged`
     and `Superseded` notes), or, in RESULTS.md, listed by its command alone: no table or figure rests on it."""
-    shown, _ = compare_tables.current(provenance.read_log(LOGS["compare"]))
+    shown = compare_tables.current(provenance.read_log(LOGS["compare"]))
     assert [compare_tables.log_key(r) for r in shown if not (r.get("utc") and r.get("commit") and r.get("machine"))] == []
     shown = quickstart.latest(provenance.read_log(LOGS["quickstart"]))
     assert [quickstart.key(r) for r in shown if not (r.get("utc") and r.get("commit") and r.get("machine"))] == []
@@ -202,14 +202,14 @@ def test_no_generated_block_holds_a_line_logged_without_its_row():
 
 def selfpatch_records():
     """vit_selfpatch and the two random-init rows of the ViT, as shown (network records of their own)."""
-    records = compare_tables.current(provenance.read_log(LOGS["compare"]))[0]
+    records = compare_tables.current(provenance.read_log(LOGS["compare"]))
     chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == ("fashion_mnist", "test", "recipe")
               and r["row"] in ("vit_selfpatch", "vit_random", "vit_selfpatch_random", "vit_dino")]
     return chosen
 
 
 def test_every_logged_gain_pairs_a_row_with_its_own_network():
-    records = compare_tables.current(provenance.read_log(LOGS["compare"]))[0]
+    records = compare_tables.current(provenance.read_log(LOGS["compare"]))
     base = {}
     for r in records:
         if r.get("random_init"):

@@ -256,7 +256,7 @@ def add_evaluation(row, args, seed, kind):
     without it, from its kept checkpoints: written into its log line, with the commands and their
     cost."""
     key = (args.data, row, args.variant, args.phase, seed)
-    logged = [r for r in compare_tables.current(compare_tables.read_checked(args.log))[0]
+    logged = [r for r in compare_tables.current(compare_tables.read_checked(args.log))
               if log_key(r) == key]
     if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
         return None      # not logged (or twice), already evaluated, or a random init (no curve)
@@ -327,7 +327,7 @@ def generated_blocks(records, ledger=None):
     """{block: markdown} of the documents, from the log's records and the test ledger (its path;
     default: the committed one). A rerun of a setting (DINO's four k) is shown in the appendix."""
     entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
-    records, relogged = compare_tables.current(records)
+    records = compare_tables.current(records)
     shown, again = compare_tables.split_reruns(records)
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase, entries, shown)
               for data, (_, holdout) in DATA.items()
@@ -337,7 +337,6 @@ def generated_blocks(records, ledger=None):
                   long_budget=compare_tables.long_budget_table(shown, entries),
                   long_glance=compare_tables.long_glance_table(shown, entries),
                   reruns=comparison_table(records, "fashion_mnist", "test", entries, again),
-                  relogged=appendix.relogged_table(relogged),
                   withdrawn=split_ledger.withdrawn_table(entries, {TAG, "quickstart.py"}),
                   knn_k=appendix.knn_k_table(records),
                   knn_k_pixels=appendix.knn_k_pixels_table(records),

@@ -104,10 +104,11 @@ def log_key(record):
 
 
 def current(records):
-    """(the log's lines the tables show, [(a line without a timestamp, its row run again and
-    stamped)])."""
-    kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
-    return provenance.superseded(kept, log_key)
+    """The log's lines the tables show: a line written before stamps existed gives way to its row
+    run again and stamped; a withdrawn line (restored to the log) is shown apart."""
+    kept = [r for r in records if not r.get("withdrawn")]
+    stamped = {log_key(r) for r in kept if r.get("utc")}
+    return [r for r in kept if r.get("utc") or log_key(r) not in stamped]
 
 
 def split_reruns(records):

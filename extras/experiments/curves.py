@@ -213,7 +213,7 @@ def main(args):
 def curves_inputs(args):
     """(series, title, raw-pixel level) of the curves picture that `args` (the curves command's)
     draws from its --log."""
-    records = compare_tables.current(compare_tables.read_checked(args.log))[0]   # as shown
+    records = compare_tables.current(compare_tables.read_checked(args.log))   # as shown
     series = curve_series(records, args.data, args.phase, args.variant)
     if not series:
         common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "

@@ -120,15 +120,6 @@ def stamp(started):
                         "torch": torch.__version__, "python": platform.python_version()}}
 
 
-def superseded(records, key):
-    """(the lines to show, [(a line without a timestamp, the stamped line of its `key` that
-    supersedes it)]): a line written before stamps existed gives way to the same work run again and
-    stamped."""
-    stamped = {key(r): r for r in records if r.get("utc")}
-    shown = [r for r in records if r.get("utc") or key(r) not in stamped]
-    return shown, [(r, stamped[key(r)]) for r in records if not r.get("utc") and key(r) in stamped]
-
-
 def when(record):
     """A record's UTC time, or a mark that its line has none (lines written before stamps
     existed)."""

@@ -359,38 +359,13 @@ def log_key(record):
     return record["run"], record.get("variant", "recipe"), record["phase"], record["seed"]
 
 
-def relogged_table(pairs):
-    """Each run logged again with its stamp: its top-1 and random-init top-1 then and now."""
-    lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init "
-             "(%): then, now | logged again (UTC) |", "|---" * 8 + "|"]
-    for old, new in pairs:
-        base = (f"{old['random_init_top1']:.2f}, {new['random_init_top1']:.2f}"
-                if "random_init_top1" in old and "random_init_top1" in new else "—")
-        lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | "
-                     f"{new['seed']} | {old['top1']:.2f}, {new['top1']:.2f} | "
-                     f"{new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
-    return "\n".join(lines) if pairs else "No run logged without a timestamp has run again."
-
-
-def unstamped_note(records):
-    """The lines logged before the log held a time, commit and machine: not published, their runs
-    listed with their commands."""
-    if not records:
-        return "Every line of the log is stamped."
-    commands = "\n".join(reproducing_commands(records))
-    return (f"{len(records)} lines of the log were written before it held a time, commit and "
-            f"machine; their figures are not published. Their runs:\n\n```bash\n{commands}\n```")
-
-
 def generated_blocks(records, ledger=None):
-    """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes
-    the unstamped ones of its run, and the others are only listed (unstamped_note); the test uses
-    from the ledger (its path; default: the committed one)."""
+    """{block name: markdown} of docs/RESULTS.md and docs/APPENDIX.md from the stamped lines (the
+    lines logged before stamps are in FROZEN blocks only) and the test ledger (its path; default:
+    the committed one)."""
     entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
     uses = split_ledger.ledger_table(entries, {"results.py"}, "epochs")
-    records, relogged = provenance.superseded(records, log_key)
-    blocks = {"relogged": relogged_table(relogged),
-              "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
+    blocks = {}
     records = [r for r in records if r.get("utc")]
     for phase in ("test", "val"):
         text = table(records, phase, entries)
@@ -416,11 +391,18 @@ def write_documents(documents, tag="results.py"):
               f"{'refreshed' if text != texts[path] else 'already up to date'}")
 
 
+# blocks of fixed history, kept as written: the lines logged before stamps existed, beside their
+# stamped reruns (`relogged`) or listed (`unstamped`); every line logged since is stamped
+FROZEN = {"relogged", "unstamped"}
+
+
 def refresh(markdown, blocks, tag="results.py"):
     """`markdown` with the body of every `<!-- TAG:NAME -->` ... `<!-- /TAG -->` block replaced by
-    blocks[NAME] (TAG: the script that generates the blocks)."""
+    blocks[NAME] (TAG: the script that generates the blocks), FROZEN blocks as they are."""
     def replace(match):
         name = match.group(1)
+        if name in FROZEN:
+            return match.group(0)
         if name not in blocks:
             sys.exit(f"error: the markdown has a block {name!r} that {tag} does not generate")
         return f"<!-- {tag}:{name} -->\n{blocks[name]}\n<!-- /{tag} -->"
