@@ -426,10 +426,7 @@ def main():
             record = run_row(row, args, seed)
             if args.extra:
                 record["extra"] = args.extra
-            with provenance.locked(args.log):
-                provenance.append_line(args.log, record)
-            if record.get("test_use"):
-                split_ledger.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
+            split_ledger.log_result(args, record, record["knn_top1"])
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN "
                   f"{record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")

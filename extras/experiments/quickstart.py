@@ -76,8 +76,7 @@ def run(args):
     eval_data = compare.data_flags(args.eval_data or args.data, args.phase, args.data_dir)
     name = f"{args.variant}_{args.data}_{args.phase}_{args.steps}"
     out = Path(args.work_dir) / name
-    resumed = (out / "checkpoint.pth").exists() and not args.eval_data
-    if resumed:                  # it would log a training that did not run
+    if (out / "checkpoint.pth").exists() and not args.eval_data:   # a training that did not run
         raise SystemExit(f"error: {out} already holds a trained run; train again with another "
                          "--work_dir or --variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +112,7 @@ def run(args):
             "precision": json.loads((out / "args.json").read_text()).get("precision"),
             "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)],
             "raw_output": raw,
-            **({"resumed": True} if resumed else {}), **({"test_use": use.id} if use.id else {}),
+            **({"test_use": use.id} if use.id else {}),
             **provenance.stamp(started)}
 
 
@@ -246,18 +245,14 @@ def main():
     if not args.table:
         provenance.check_log_writable(args.log)
         provenance.check_log_writable(args.ledger, what="--ledger")
-    for job in [args] if not args.table else []:
-        if "fashion_mnist_8k" in (job.data, job.eval_data):
-            compare.write_fashion_mnist_8k(job.data_dir)
-        record = run(job)
-        with provenance.locked(job.log):
-            provenance.append_line(job.log, record)
-        if record.get("test_use"):
-            split_ledger.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
-        print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: "
+        if "fashion_mnist_8k" in (args.data, args.eval_data):
+            compare.write_fashion_mnist_8k(args.data_dir)
+        record = run(args)
+        split_ledger.log_result(args, record, record["knn_top1"])
+        print(f"{record['data']} (trained on {record['trained_on']}) {args.phase} {args.variant}: "
               f"20-NN {record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
               flush=True)
-    if args.table:
+    else:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
         results.write_documents({ROOT / path: {n: blocks[n] for n in names}
                                  for path, names in TARGETS.items()}, "quickstart.py")

@@ -447,10 +447,7 @@ def main():
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
                                         args.work_dir, args.ledger, args.reason)
-            with provenance.locked(args.log):
-                provenance.append_line(args.log, record)
-            if record.get("test_use"):
-                split_ledger.record_test_result(args.ledger, record["test_use"], record["top1"])
+            split_ledger.log_result(args, record, record["top1"])
             baseline = (f" (random init {record['random_init_top1']:.2f}%)"
                         if "random_init_top1" in record else "")
             took = (f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record

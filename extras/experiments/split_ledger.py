@@ -163,6 +163,14 @@ def ledger_guard(path, use, reason, test=True):
     return record
 
 
+def log_result(args, record, result):
+    """Append a driver's `record` to its --log, then the `result` of its test use to the ledger."""
+    with locked(args.log):
+        append_line(args.log, record)
+    if record.get("test_use"):
+        record_test_result(args.ledger, record["test_use"], result)
+
+
 def record_test_result(path, use_id, result):
     """Append the result of the use `use_id` (its own line: the use's line is never rewritten)."""
     with locked(path):
