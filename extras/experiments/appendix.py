@@ -1,7 +1,7 @@
 """The detail tables of the comparison in the generated appendix (docs/APPENDIX.md): the cost of a
-row, the commands that reproduce every row, and DINO's four k (every
-line that logged the k-NN at k = 10, 20, 100 and 200, and each trained row against the raw pixels
-at the same k, with the findings rule of claims.py). Not a script."""
+row, the commands that reproduce every row, and DINO's four k (every line that logged the k-NN at
+k = 10, 20, 100 and 200, and each trained row against the raw pixels at the same k, with the
+findings rule of claims.py). Not a script."""
 import re
 import statistics
 

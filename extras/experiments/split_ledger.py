@@ -1,8 +1,8 @@
 """The test split's ledger (docs/data/test_ledger.jsonl): every evaluation on a test split, one
 line written as it is about to read the first test image and never rewritten; its result, and any
 later wording of its reason, appended as lines of their own. Used by extras/experiments/compare.py,
-results.py and quickstart.py (which refuse a second test use without a reason) and by their table
-generators."""
+results.py and quickstart.py (which refuse a second test use without a reason: `ledger_guard`;
+their shared flags: `add_driver_args`; their log lines: `log_result`) and by their generators."""
 import json
 import os
 import re
