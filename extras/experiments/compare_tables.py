@@ -123,14 +123,11 @@ def split_reruns(records):
     return shown, again
 
 
-def test_uses(rs, entries, value_key="knn_top1"):
-    """Which test use of its key each line is, seed by seed ("0: use 2 of 3, 1: ..."): the
-    ledger's count beside the figure."""
-    notes = []
-    for r in sorted(rs, key=lambda r: r["seed"]):
-        key = (TAG, r["data"], r["row"], r["seed"], r["steps"], "row")
-        notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r[value_key])}")
-    return ", ".join(notes)
+def test_uses(rs, entries):
+    """The ledger's count beside the figures: which test use of its row each line is."""
+    return split_ledger.use_notes(
+        rs, entries, lambda r: (TAG, r["data"], r["row"], r["seed"], r["steps"], "row"),
+        lambda r: r["knn_top1"])
 
 
 def network_of(record):

@@ -134,14 +134,12 @@ def ledger_use(name, extra, phase, seed, ledger, reason):
     """The ledger's guard of a run (split_ledger.ledger_guard); its budget: the epochs its training
     command ends with (later flags win)."""
     script, flags = RUNS[name]
-    if script is None:
-        command = "python extras/experiments/results.py --runs pixels --phase test"
-        budget = None
-    else:
-        command = " ".join(["python", script, *flags.split(), *extra.split(), "--seed", str(seed)])
-        budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
+    command = ("python extras/experiments/results.py --runs pixels --phase test" if script is None
+               else " ".join(["python", script, *flags.split(), *extra.split(), "--seed",
+                              str(seed)]))
     use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
-           "budget": budget, "evaluation": "row", "command": command}
+           "budget": budget_of({"train_command": command}), "evaluation": "row",
+           "command": command}
     return split_ledger.ledger_guard(ledger, use, reason, phase == "test")
 
 
@@ -211,12 +209,10 @@ def budget_of(record):
 
 
 def test_uses(rs, entries):
-    """Which test use of its run, seed and budget each seed's figure is (the ledger's count)."""
-    notes = []
-    for r in rs:
-        key = ("results.py", "fashion_mnist", r["run"], r["seed"], budget_of(r), "row")
-        notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r['top1'])}")
-    return ", ".join(notes)
+    """The ledger's count beside the figures: which test use of its run and budget each line is."""
+    return split_ledger.use_notes(
+        rs, entries, lambda r: ("results.py", "fashion_mnist", r["run"], r["seed"], budget_of(r),
+                                "row"), lambda r: r["top1"])
 
 
 def table(records, phase, entries=None):

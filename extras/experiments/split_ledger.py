@@ -230,6 +230,13 @@ def use_note(entries, key, record, value):
     return f"use {number} of {len(uses)}"
 
 
+def use_notes(rs, entries, key_of, value_of):
+    """Which test use of its key (`key_of(line)`) each line is, seed by seed ("0: use 2 of 3, 1:
+    ..."), found by its `test_use` id or, before the ledger, by its value (`value_of(line)`)."""
+    return ", ".join(f"{r['seed']}: {use_note(entries, key_of(r), r, value_of(r))}"
+                     for r in sorted(rs, key=lambda r: r["seed"]))
+
+
 def uncommitted_code(entry, top_level=False):
     """Whether a use ran with a Python file that differed from its commit (top_level: a method file,
     common.py or an evaluation script, the code that computes the figure)."""
