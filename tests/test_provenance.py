@@ -177,7 +177,7 @@ def test_generated_blocks_of_the_documents_are_the_generators_output_for_the_com
 def test_every_line_the_documents_publish_holds_its_time_commit_and_machine():
     """A line written before stamps existed is published only beside its stamped rerun (the `relogged`
     and `Superseded` notes), or, in RESULTS.md, listed by its command alone: no table or figure rests on it."""
-    shown, _ = compare_tables.current(provenance.read_log(LOGS["compare"]))
+    shown = compare_tables.current(provenance.read_log(LOGS["compare"]))
     assert [compare_tables.log_key(r) for r in shown if not (r.get("utc") and r.get("commit") and r.get("machine"))] == []
     shown = quickstart.latest(provenance.read_log(LOGS["quickstart"]))
     assert [quickstart.key(r) for r in shown if not (r.get("utc") and r.get("commit") and r.get("machine"))] == []
@@ -201,15 +201,15 @@ def test_no_generated_block_holds_a_line_logged_without_its_row():
 
 
 def selfpatch_records():
-    """vit_selfpatch and the two random-init rows of the ViT, as logged (network records of their own)."""
-    records = provenance.read_log(LOGS["compare"])
+    """vit_selfpatch and the two random-init rows of the ViT, as shown (network records of their own)."""
+    records = compare_tables.current(provenance.read_log(LOGS["compare"]))
     chosen = [r for r in records if (r["data"], r["phase"], r["variant"]) == ("fashion_mnist", "test", "recipe")
               and r["row"] in ("vit_selfpatch", "vit_random", "vit_selfpatch_random", "vit_dino")]
     return chosen
 
 
 def test_every_logged_gain_pairs_a_row_with_its_own_network():
-    records = provenance.read_log(LOGS["compare"])
+    records = compare_tables.current(provenance.read_log(LOGS["compare"]))
     base = {}
     for r in records:
         if r.get("random_init"):
@@ -219,13 +219,13 @@ def test_every_logged_gain_pairs_a_row_with_its_own_network():
         if r["row"] in compare_tables.METHOD_FLAGS:
             b = base.get((r["data"], r["phase"], compare_tables.baseline_row(r["row"]), r["seed"]))
             if b is not None:
-                assert compare_tables.network_of(r, records) == compare_tables.network_of(b, records), (r["row"], b["row"])
+                assert r["network"] == b["network"], (r["row"], b["row"])
                 pairs += 1
     assert pairs >= 20
     selfpatch = [r for r in records if r["row"] == "vit_selfpatch"][0]
     dino = [r for r in records if r["row"] == "vit_dino"][0]
-    assert compare_tables.network_of(selfpatch, records)["image_token"] == "ca_head"
-    assert compare_tables.network_of(selfpatch, records) != compare_tables.network_of(dino, records)
+    assert selfpatch["network"]["image_token"] == "ca_head"
+    assert compare_tables.network_of(selfpatch) != compare_tables.network_of(dino)
 
 
 def test_a_gain_over_another_networks_random_init_is_refused(monkeypatch):
@@ -350,18 +350,14 @@ def test_a_log_line_without_a_field_the_tables_read_is_refused_in_one_line(tmp_p
 
 
 def test_a_log_lines_command_is_never_imported(tmp_path, monkeypatch):
-    """compare.py rebuilt the network of a line without a signature by importing the module its
-    command named (`python this.py` printed the Zen of Python): only a method file is imported."""
+    """compare.py builds the network of a logged command (a random-init row's `start_of`, for
+    --add_linear) by importing the module it names (`python this.py` printed the Zen of Python):
+    only a method file is imported."""
     (tmp_path / "planted.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    records = [r for r in provenance.read_log(LOGS["compare"])
-               if (r["data"], r["phase"], r["variant"]) == ("fashion_mnist", "test", "recipe")]
     for command in ("python planted.py --arch vit_pico", "python this.py", "rm -rf /", "python"):
-        planted = [{**r, "commands": [command]} if r["row"] == "vit_dino" else r for r in records]
-        for r in planted:
-            r.pop("network", None)
         with pytest.raises(SystemExit) as stop:
-            compare_tables.summary_table(planted)
+            provenance.starting_checkpoint(command, tmp_path / "start.pth")
         assert str(stop.value).startswith("error: a logged command"), stop.value
     assert not (tmp_path / "ran").exists() and "this" not in sys.modules
     with pytest.raises(SystemExit) as stop:                 # a method file, with a flag it lacks

@@ -1,7 +1,7 @@
-"""The detail tables of the comparison in the generated appendix (docs/APPENDIX.md): the rows
-logged again, the cost of a row, the commands that reproduce every row, and DINO's four k (every
-line that logged the k-NN at k = 10, 20, 100 and 200, and each trained row against the raw pixels
-at the same k, with the findings rule of claims.py). Not a script."""
+"""The detail tables of the comparison in the generated appendix (docs/APPENDIX.md): the cost of a
+row, the commands that reproduce every row, and DINO's four k (every line that logged the k-NN at
+k = 10, 20, 100 and 200, and each trained row against the raw pixels at the same k, with the
+findings rule of claims.py). Not a script."""
 import re
 import statistics
 
@@ -9,27 +9,6 @@ import claims
 import provenance
 import results
 from compare_tables import IMAGES, METHOD_FLAGS, RANDOM_ROWS, logged_dates, signed
-
-
-def relogged_table(pairs):
-    """Each line logged again with its stamp: its figures then and now, now minus then, and the
-    precision each trained in (a random-init row trains nothing: —)."""
-    lines = ["| row | data | phase | variant | seed | 20-NN top-1 (%): then, now | now minus then "
-             "| linear top-1 (%): then, now | now minus then | precision: then, now | logged again "
-             "(UTC) |",
-             "|---" * 11 + "|"]
-    for old, new in pairs:
-        cells = []
-        for key in ("knn_top1", "linear_top1"):
-            then, now = old.get(key), new.get(key)
-            cells += [f"{then:.2f}, {now:.2f}",
-                      f"{now - then:+.2f}"] if None not in (then, now) else ["—", "—"]
-        precision = ("—" if new.get("random_init")
-                     else f"{old.get('precision', 'not logged')}, {new.get('precision')}")
-        lines.append(f"| {new['row']} | {new['data']} | {new['phase']} | {new['variant']} | "
-                     f"{new['seed']} | "
-                     + " | ".join(cells) + f" | {precision} | {logged_dates([new])} |")
-    return "\n".join(lines) if pairs else "No line logged without a timestamp has run again."
 
 
 def costs_table(records, data="fashion_mnist", phase="test"):

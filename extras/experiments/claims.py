@@ -91,115 +91,70 @@ def told(diffs, error):
     return f"{statistics.mean(diffs):+.2f} ({seeds}; SE {error:.2f}): {finding(diffs, error)}"
 
 
-def top1_of(records, phase, settings):
-    """The top-1s of the drloc5k runs of (arch, data, epochs) `settings` (flattened triples)."""
-    wanted = {tuple(settings[i : i + 3]) for i in range(0, len(settings), 3)}
-    values = [
-        r["top1"]
-        for r in records
-        if r["run"].startswith("drloc5k_")
-        and r["phase"] == phase
-        and (r["run"].removeprefix("drloc5k_").removesuffix("_base"), *drloc_setting(r)) in wanted
-    ]
-    return values or [50.0]
-
-
 def drloc_regime(records):
     """Whether the DRLoc paper's direction holds on the small-dataset runs (a larger gain of
     λ = 0.5 over λ = 0 for the Swin than for the ViT, and for shorter training), per dataset and
     length on validation, by `finding`'s rule; then the test's."""
+    def setting(r):
+        """(arch, data, epochs) of a drloc5k run (λ = 0.5 or 0); None for another run."""
+        arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
+        return (arch, *drloc_setting(r)) if r["run"].startswith("drloc5k_") else None
 
-    def paired(
-        phase,
-    ):  # {(arch, data, epochs): differences by seed}, one variant per setting: the recipe's first
-        settings = {}
+    def paired(phase):
+        """{(arch, data, epochs): differences by seed}: per setting, by data, architecture,
+        longest training first, the recipe's variant before the others, the first with two."""
+        variants = {(s[0], r.get("variant", "recipe")): s for r in records
+                    if r["phase"] == phase and (s := setting(r)) and s[0] in DRLOC_ARCHS}
         found = {}
-        for r in records:
-            arch = r["run"].removeprefix("drloc5k_").removesuffix("_base")
-            if r["run"].startswith("drloc5k_") and r["phase"] == phase and arch in DRLOC_ARCHS:
-                settings[arch, r.get("variant", "recipe")] = drloc_setting(r)
-
         def order(item):
-            """By data, architecture, longest training first, the recipe before other variants."""
-            (arch, variant), (data, epochs) = item
+            (arch, variant), (_, data, epochs) = item
             return data, list(DRLOC_ARCHS).index(arch), -epochs, variant != "recipe"
-        for (arch, variant), (data, n) in sorted(settings.items(), key=order):
-            diffs = paired_difference(
-                records, phase, f"drloc5k_{arch}", f"drloc5k_{arch}_base", variant, True
-            )
-            if diffs and (arch, data, n) not in found:
-                found[arch, data, n] = diffs
+        for (arch, variant), key in sorted(variants.items(), key=order):
+            diffs = paired_difference(records, phase, f"drloc5k_{arch}", f"drloc5k_{arch}_base",
+                                      variant, True)
+            if diffs:
+                found.setdefault(key, diffs)
         return found
 
-    found, tested = paired("val"), paired("test")
-    if not found:
-        logged = sorted(
-            {
-                f"`{r['run']}` ({r.get('variant', 'recipe')}, seed {r['seed']})"
-                for r in records
-                if r["run"].startswith("drloc5k_") and r["phase"] == "val"
-            }
-        )
-        return (
-            "No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); logged "
-            f"so far: {', '.join(logged) or 'nothing'}."
-        )
-
-    def say(diffs, phase="val", setting=None):
-        values = top1_of(records, phase, setting) if setting else [50.0]
-        return told(diffs, binomial_error(values, DRLOC_EVAL_IMAGES))
+    def error(phase, *keys):
+        """The binomial error of one evaluation at the worst top-1 of the runs of `keys`."""
+        top1s = [r["top1"] for r in records if r["phase"] == phase and setting(r) in keys]
+        return binomial_error(top1s or [50.0], DRLOC_EVAL_IMAGES)
 
     def compare(a, b, what):
-        gap = [x - y for x, y in zip(found[a], found[b])]
-        error = binomial_error(top1_of(records, "val", a + b), DRLOC_EVAL_IMAGES)
-        verdict = finding(gap, error)
-        mean = statistics.mean(gap)
-        if verdict == "finding":
-            said = "holds here" if mean > 0 else "the opposite holds here"
-        else:
-            said = "not decided here"
-        return f"- {what}: {said} (gap {told(gap, error)})"
+        gap, se = [x - y for x, y in zip(found[a], found[b])], error("val", a, b)
+        said = "holds here" if statistics.mean(gap) > 0 else "the opposite holds here"
+        said = said if finding(gap, se) == "finding" else "not decided here"
+        return f"- {what}: {said} (gap {told(gap, se)})"
 
     def on(data):
         return "" if data == "fashion_mnist" else f", {data}"
 
-    lines = [
-        "DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first "
-        "5000 train images:"
-    ]
-    lines += [
-        f"- `{arch}`, {n} epochs{on(data)}: {say(diffs, 'val', (arch, data, n))}"
-        for (arch, data, n), diffs in found.items()
-    ]
-    lines += [
-        compare(
-            ("swin", d, n),
-            ("vit", d, n),
-            f"a larger gain for the Swin than for the ViT ({n} epochs{on(d)})",
-        )
-        for d, n in dict.fromkeys((d, n) for _, d, n in found)
-        if {("swin", d, n), ("vit", d, n)} <= found.keys()
-    ]
-    for arch, data in dict.fromkeys(
-        (a, d) for a, d, _ in found
-    ):  # each length against the next longer one
+    found, tested = paired("val"), paired("test")
+    if not found:
+        logged = sorted({f"`{r['run']}` ({r.get('variant', 'recipe')}, seed {r['seed']})"
+                         for r in records
+                         if r["run"].startswith("drloc5k_") and r["phase"] == "val"})
+        return ("No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); "
+                f"logged so far: {', '.join(logged) or 'nothing'}.")
+    lines = ["DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first "
+             "5000 train images:"]
+    lines += [f"- `{arch}`, {n} epochs{on(data)}: {told(diffs, error('val', (arch, data, n)))}"
+              for (arch, data, n), diffs in found.items()]
+    lines += [compare(("swin", d, n), ("vit", d, n),
+                      f"a larger gain for the Swin than for the ViT ({n} epochs{on(d)})")
+              for d, n in dict.fromkeys((d, n) for _, d, n in found)
+              if {("swin", d, n), ("vit", d, n)} <= found.keys()]
+    for arch, data in dict.fromkeys((a, d) for a, d, _ in found):   # each length against the next
         mine = sorted(n for a, d, n in found if (a, d) == (arch, data))
-        lines += [
-            compare(
-                (arch, data, a),
-                (arch, data, b),
-                f"a larger gain for shorter training (`{arch}`, {a} against {b} epochs{on(data)})",
-            )
-            for a, b in zip(mine, mine[1:])
-        ]
-    lines += [
-        f"- the test split (its first 5000 images), `{arch}`, {n} epochs{on(data)}: "
-        f"{say(diffs, 'test', (arch, data, n))}"
-        for (arch, data, n), diffs in tested.items()
-    ]
-    lines.append(
-        "- rule (claims.finding): a finding where the mean exceeds both the seeds' spread (half "
-        f"their range) and one evaluation's binomial error (SE) on {DRLOC_EVAL_IMAGES} images, no "
-        "finding where it exceeds neither, undecided otherwise"
-    )
+        lines += [compare((arch, data, a), (arch, data, b), "a larger gain for shorter training "
+                          f"(`{arch}`, {a} against {b} epochs{on(data)})")
+                  for a, b in zip(mine, mine[1:])]
+    lines += [f"- the test split (its first 5000 images), `{arch}`, {n} epochs{on(data)}: "
+              f"{told(diffs, error('test', (arch, data, n)))}"
+              for (arch, data, n), diffs in tested.items()]
+    lines.append("- rule (claims.finding): a finding where the mean exceeds both the seeds' spread "
+                 "(half their range) and one evaluation's binomial error (SE) on "
+                 f"{DRLOC_EVAL_IMAGES} images, no finding where it exceeds neither, undecided "
+                 "otherwise")
     return "\n".join(lines)

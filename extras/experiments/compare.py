@@ -12,51 +12,16 @@ a row's difference from the DINO row of its backbone is what the method adds.
     python extras/experiments/compare.py --phase test --seeds 1 --add_curve --curve_every 200
     python extras/experiments/compare.py --table    # refresh docs/COMPARISON.md from the log
 
-Rows. `vit_pico --patch_size 4`: DINO, SelfPatch, EsViT (the patch tokens are its regions), GLSD
-(geometric matching of the ViT's tokens). `swin_pico3 --fit_window true`: DINO's loss alone (dino.py
-with the Swin backbone: the pooled tokens through DINO's head), EsViT, GLSD geometric, GLSD
-similarity. Every row trains with SHARED + its backbone's flags + its method's own flags
-(METHOD_FLAGS) and nothing else; tests/test_results_presets.py checks that every shared argument
-parses to the same value in every script. A gain is over the row's own network at random
-initialisation, same seed, same read-out: the random-init rows (RANDOM_ROWS) evaluate, with
---random_init --seed, the network of their source row's training command at its first step
-(provenance.starting_checkpoint); DINO's rows stand for every row of their backbone whose network is
-the same (EsViT, GLSD), SelfPatch's CLS-free ViT read through its aggregation module has its own.
-The tables refuse to pair networks whose state dicts (keys, shapes) or image tokens differ. Raw
-pixels have a k-NN row.
-
-A relaunch goes on where it stopped: a logged row is skipped, a row stopped part-way resumes from
-its checkpoint (the method script refuses changed flags) and is logged as `resumed`.
-
-Budget. --steps steps of batch 128, run as epochs of STEPS_PER_EPOCH steps (--max_steps_per_epoch;
-each epoch draws a new shuffle of the whole train split), lr warmed up over the first half and then
-cosine, constant teacher temperature 0.04, K = 1024 for every head. A checkpoint every --curve_every
-steps is kept for the learning curve.
-
-Columns, per row and seed (one JSON line each in --log, with every command that produced it, the
-figures' lines of their raw output, UTC time, commit and machine: provenance.stamp):
-  knn_top1        eval_knn.py, 20-NN, T = 0.07, 32 px; bank: the train split (val: the other 50000)
-  linear_top1     eval_linear.py, LINEAR flags (100 epochs on features extracted once, no
-                  augmentation)
-  correspondence  extras/tools/eval_correspondence.py on the first CORRESPONDENCE_IMAGES images:
-                  `esvit` (a view and its flip) and `overlap` (two overlapping crops), top-10 and
-                  all-token accuracy
-  collapse        extras/tools/teacher_outputs.py on 2000 images: per-image teacher entropy h and
-                  entropy of the mean target h_bar, both over ln K (h/ln K -> 1: uniform collapse;
-                  h_bar/ln K -> 0: one output wins)
-  train time, peak memory   of training alone (log.txt)
-  curve           20-NN and `overlap` all-token accuracy of the kept checkpoints (seeds in
-                  --curve_seeds)
-
-Data (--data). fashion_mnist: 60000 train / 10000 test (val: --holdout 10000). shapes: the project's
-synthetic shapes (`--dataset synthetic`) at 28 px, 8000 train / 2000 test, the shape as label.
-fashion_mnist_8k: an ImageFolder that this script writes from Fashion-MNIST's 10000 *test* images
-(8000 train / 2000 val), images that no Fashion-MNIST run trains on, at a small dataset's size. The
-second datasets only check that settings chosen on Fashion-MNIST's validation split transfer, so
-they run the test phase only.
+Rows, baselines, the shared budget (SHARED, STEPS_PER_EPOCH steps an epoch), read-outs and the
+datasets (DATA; fashion_mnist_8k is written from Fashion-MNIST's test images, which no run trains
+on): docs/COMPARISON.md, "Protocol". One JSON line per (data, row, variant, phase, seed) goes to
+--log with every command that produced it, the figures' lines of their raw output, and
+provenance.stamp. A relaunch goes on where it stopped: a logged row is skipped, a row stopped
+part-way resumes from its checkpoint (the method script refuses changed flags), logged `resumed`.
 """
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -67,9 +32,9 @@ import split_ledger  # noqa: E402
 import results  # noqa: E402
 import compare_tables  # noqa: E402
 import appendix  # noqa: E402
-from readouts import CORRESPONDENCE_IMAGES, EVAL, LINEAR, Evaluator  # noqa: E402,F401
+from provenance import Evaluator  # noqa: E402
 from compare_tables import (BACKBONES, METHOD_FLAGS, RANDOM_ROWS, ROWS,  # noqa: E402,F401
-                            baseline_row, comparison_table, log_key, summary_table)
+                            comparison_table, log_key, summary_table)
 
 ROOT = results.ROOT
 COMPARISON_MD = ROOT / "docs" / "COMPARISON.md"
@@ -95,12 +60,6 @@ SHARED = ("--global_crop_size 32 --local_crop_size 16 --local_crops_number 4 "
           "--warmup_teacher_temp_epochs 0 --batched_crops true --num_workers 0")
 # BACKBONES, METHOD_FLAGS (row: backbone, script, the method's own flags), RANDOM_ROWS, ROWS:
 # compare_tables.py
-# the arguments that belong to a method (allowed to differ from its backbone's DINO row)
-OWN_ARGS = {"selfpatch.py": {"patch_out_dim", "k_num", "neighbors_wrap", "center_crops",
-                             "patch_loss_weight", "patch_teacher_temp"},
-            "esvit.py": {"use_region_loss", "init_from"},
-            "glsd.py": {"local_matching", "match_threshold"}}
-
 DATA = {   # name: (dataset flags, held-out images for the val phase or None)
     "fashion_mnist": ("--dataset fashion_mnist", 10000),
     "shapes": ("--dataset synthetic --synthetic_images 8000 --synthetic_image_size 28", None),
@@ -137,7 +96,24 @@ def data_flags(data, phase, data_dir):
     return flags.format(data_dir=data_dir).split() + held_out
 
 
-write_fashion_mnist_8k = results.write_fashion_mnist_8k
+
+
+
+def write_fashion_mnist_8k(data_dir):
+    """Fashion-MNIST's 10000 test images as an ImageFolder (extras/experiments/compare.py's
+    `fashion_mnist_8k`): the first 8000 in train/, the last 2000 in val/, one PNG each under its
+    class name. Kept if it is already complete."""
+    root = Path(data_dir) / "fashion_mnist_8k"
+    if root.is_dir() and len(list(root.glob("*/*/*.png"))) == 10000:
+        return root
+    test = common.FashionMNIST(train=False)
+    for i in range(len(test)):
+        image, label = test[i]
+        name = re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
+        folder = root / ("train" if i < 8000 else "val") / name
+        folder.mkdir(parents=True, exist_ok=True)
+        image.convert("L").save(folder / f"{i:05d}.png")
+    return root
 
 
 def row_paths(row, args, seed):
@@ -162,20 +138,14 @@ def finished(record, evaluate, started):
             **provenance.stamp(started)}
 
 
-def ledger_use(row, args, seed, evaluation="row", check_only=False):
-    """On the test phase: the ledger's line of this evaluation, appended as it is about to read the
-    first test image (a second use of the same row, seed and budget is refused without --reason;
-    check_only: refused before any training, nothing recorded); its id, or None on val."""
-    if args.phase != "test":
-        return None
+def ledger_use(row, args, seed, evaluation="row"):
+    """The ledger's guard of this evaluation (split_ledger.ledger_guard): a second test use of the
+    same row, seed and budget is refused now without --reason; calling it records the use."""
     command = " ".join(train_command(row, args, seed)) if row != "pixels" else \
         f"python extras/experiments/compare.py --data {args.data} --phase test --rows pixels"
     use = {"driver": TAG, "data": args.data, "row": row, "seed": seed, "budget": args.steps,
            "evaluation": evaluation, "command": command}
-    if check_only:
-        split_ledger.check_test_use(args.ledger, use, args.reason)
-        return None
-    return split_ledger.record_test_use(args.ledger, use, args.reason)
+    return split_ledger.ledger_guard(args.ledger, use, args.reason, args.phase == "test")
 
 
 def run_row(row, args, seed):
@@ -184,12 +154,11 @@ def run_row(row, args, seed):
     started = provenance.start()
     record = {"data": args.data, "row": row, "variant": args.variant, "phase": args.phase,
               "seed": seed, "steps": args.steps}
-    ledger_use(row, args, seed, check_only=True)
+    use = ledger_use(row, args, seed)
 
     def before_test():
-        use = ledger_use(row, args, seed)
-        if use:
-            record["test_use"] = use
+        if use():
+            record["test_use"] = use.id
     data = data_flags(args.data, args.phase, args.data_dir)
     if row == "pixels":   # deterministic: the seed changes nothing
         before_test()
@@ -287,7 +256,7 @@ def add_evaluation(row, args, seed, kind):
     without it, from its kept checkpoints: written into its log line, with the commands and their
     cost."""
     key = (args.data, row, args.variant, args.phase, seed)
-    logged = [r for r in compare_tables.current(compare_tables.read_checked(args.log))[0]
+    logged = [r for r in compare_tables.current(compare_tables.read_checked(args.log))
               if log_key(r) == key]
     if len(logged) != 1 or kind in logged[0] or (kind == "curve" and row in RANDOM_ROWS):
         return None      # not logged (or twice), already evaluated, or a random init (no curve)
@@ -304,7 +273,7 @@ def add_evaluation(row, args, seed, kind):
         sys.exit(f"error: {out / 'linear'} holds an earlier probe of this row: move it away")
     if kind == "curve":
         check_kept(logged[0], kept_paths(out, args))
-    use = ledger_use(row, args, seed, kind)
+    use = ledger_use(row, args, seed, kind)()
     started = provenance.start()
     evaluate = Evaluator(data_flags(args.data, args.phase, args.data_dir), out, seed)
     value = (evaluate.linear(weights, random_init=row in RANDOM_ROWS) if kind == "linear_top1"
@@ -358,7 +327,7 @@ def generated_blocks(records, ledger=None):
     """{block: markdown} of the documents, from the log's records and the test ledger (its path;
     default: the committed one). A rerun of a setting (DINO's four k) is shown in the appendix."""
     entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
-    records, relogged = compare_tables.current(records)
+    records = compare_tables.current(records)
     shown, again = compare_tables.split_reruns(records)
     blocks = {f"{data}_{phase}": comparison_table(records, data, phase, entries, shown)
               for data, (_, holdout) in DATA.items()
@@ -368,7 +337,6 @@ def generated_blocks(records, ledger=None):
                   long_budget=compare_tables.long_budget_table(shown, entries),
                   long_glance=compare_tables.long_glance_table(shown, entries),
                   reruns=comparison_table(records, "fashion_mnist", "test", entries, again),
-                  relogged=appendix.relogged_table(relogged),
                   withdrawn=split_ledger.withdrawn_table(entries, {TAG, "quickstart.py"}),
                   knn_k=appendix.knn_k_table(records),
                   knn_k_pixels=appendix.knn_k_pixels_table(records),
@@ -408,20 +376,7 @@ def get_args_parser():
                         "--curve_every steps by the logged --rows and "
                         "--seeds that have no learning curve yet (seeds not in "
                         "--curve_seeds), into their log lines")
-    p.add_argument("--variant", default="recipe",
-                   help="name under which a variant (--extra) is logged")
-    p.add_argument("--extra", default="",
-                   help="training flags added to every trained row (a variant)")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "compare"),
-                   help="output directories of the runs")
-    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
-                   help="where the built datasets (fashion_mnist_8k) are written")
-    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "compare_32px.jsonl"),
-                   help="one JSON line per (data, row, variant, phase, seed) is appended here")
-    p.add_argument("--table", action="store_true",
-                   help="rewrite the generated blocks of docs/COMPARISON.md from --log")
-    split_ledger.add_ledger_args(p)
-    return p
+    return split_ledger.add_driver_args(p, "compare", "compare_32px.jsonl", data_dir=True)
 
 
 def main():
@@ -471,10 +426,7 @@ def main():
             record = run_row(row, args, seed)
             if args.extra:
                 record["extra"] = args.extra
-            with provenance.locked(args.log):
-                provenance.append_line(args.log, record)
-            if record.get("test_use"):
-                split_ledger.record_test_result(args.ledger, record["test_use"], record["knn_top1"])
+            split_ledger.log_result(args, record, record["knn_top1"])
             print(f"{args.data} {row} {args.variant} {args.phase} seed {seed}: 20-NN "
                   f"{record['knn_top1']:.2f}%"
                   + (f", linear {record['linear_top1']:.2f}%" if "linear_top1" in record else "")
@@ -483,16 +435,9 @@ def main():
                   flush=True)
     if args.table:      # every block is made before any file is written
         blocks = generated_blocks(compare_tables.read_checked(args.log), args.ledger)
-        documents = [(COMPARISON_MD, blocks), (APPENDIX_MD, blocks),
-                     *((path, {n: blocks[n] for n in names})
-                       for path, names in SUMMARY_FILES.items())]
-        texts = [path.read_text() for path, _ in documents]
-        refreshed = [results.refresh(text, chosen, tag=TAG)
-                     for text, (_, chosen) in zip(texts, documents)]
-        for (path, _), text, refreshed in zip(documents, texts, refreshed):
-            path.write_text(refreshed)
-            print(f"{path.relative_to(ROOT)}: "
-                  f"{'refreshed' if refreshed != text else 'already up to date'}")
+        results.write_documents({COMPARISON_MD: blocks, APPENDIX_MD: blocks,
+                                 **{path: {n: blocks[n] for n in names}
+                                    for path, names in SUMMARY_FILES.items()}}, TAG)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,8 @@
 """The rows of extras/experiments/compare.py's controlled comparison, and the generated blocks of
-docs/COMPARISON.md, docs/APPENDIX.md, README.md and docs/RESULTS.md made from its log (not a
-script).
-
-Every figure in a block is a logged value or is computed here from logged, unrounded values: a gain
-is a row's value minus that of its own network at random initialisation (same seed, same read-out,
-`baseline_row`), a difference between methods is the difference of their gains seed by seed; both
-are rounded only when written. A pairing of two different networks (state-dict keys and shapes, or
-image token: provenance.network_signature) is refused with one line. Lines logged before stamps
-existed are marked "no timestamp"; where their row ran again the stamped line replaces them
-(appendix.relogged_table sets the two side by side).
-"""
-import json
+docs/COMPARISON.md, README.md and docs/RESULTS.md made from its log (not a script). Every figure
+is a logged value or computed from logged, unrounded values and rounded only when written: a gain
+is a row's value minus that of its own network at random initialisation (`baseline_row`; a pairing
+of two different networks is refused), a difference between methods that of their gains."""
 import statistics
 import sys
 
@@ -18,6 +10,7 @@ import claims
 import provenance
 import results
 import split_ledger
+from provenance import always
 
 # ------------------------------------------------------------------------------------------------
 # The rows: backbones, each method's own flags, the random-init rows, the summary's columns,
@@ -55,10 +48,6 @@ def evaluated(r):
     return r.get("row") != "pixels"
 
 
-def always(r):
-    return True
-
-
 # every field of a log line that the tables and the curves read: (key, kind, for which lines,
 # optional); provenance.check_fields refuses a line without them in one line
 FIELDS = [("data", "text", always, False), ("row", set(ROWS), always, False),
@@ -87,9 +76,9 @@ CURVE_FIELDS = [("step", "integer", always, False), ("knn_top1", "number", alway
 
 cell = results.cell
 TAG = "compare.py"
-# images a read-out is evaluated on: its binomial error (the correspondence: its first 500)
+# images a read-out is evaluated on: its binomial error (the correspondence: its first
+# provenance.CORRESPONDENCE_IMAGES)
 IMAGES = {"fashion_mnist": 10000, "fashion_mnist_8k": 2000, "shapes": 2000}
-CORRESPONDENCE_IMAGES = 500
 
 
 def read_checked(path, what="--log"):
@@ -115,10 +104,11 @@ def log_key(record):
 
 
 def current(records):
-    """(the log's lines the tables show, [(a line without a timestamp, its row run again and
-    stamped)])."""
-    kept = [r for r in records if not r.get("withdrawn")]    # restored to the log, shown apart
-    return provenance.superseded(kept, log_key)
+    """The log's lines the tables show: a line written before stamps existed gives way to its row
+    run again and stamped; a withdrawn line (restored to the log) is shown apart."""
+    kept = [r for r in records if not r.get("withdrawn")]
+    stamped = {log_key(r) for r in kept if r.get("utc")}
+    return [r for r in kept if r.get("utc") or log_key(r) not in stamped]
 
 
 def split_reruns(records):
@@ -133,30 +123,19 @@ def split_reruns(records):
     return shown, again
 
 
-def test_uses(rs, entries, value_key="knn_top1"):
-    """Which test use of its key each line is, seed by seed ("0: use 2 of 3, 1: ..."): the
-    ledger's count beside the figure."""
-    notes = []
-    for r in sorted(rs, key=lambda r: r["seed"]):
-        key = (TAG, r["data"], r["row"], r["seed"], r["steps"], "row")
-        notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r[value_key])}")
-    return ", ".join(notes)
+def test_uses(rs, entries):
+    """The ledger's count beside the figures: which test use of its row each line is."""
+    return split_ledger.use_notes(
+        rs, entries, lambda r: (TAG, r["data"], r["row"], r["seed"], r["steps"], "row"),
+        lambda r: r["knn_top1"])
 
 
-def network_of(record, records):
-    """The network a logged row evaluated: its logged signature, else (lines logged before
-    signatures) that of its training command, built; a random-init row's is its source row's."""
-    if "network" in record:
-        return record["network"]
-    if record.get("random_init"):
-        key = (record["data"], RANDOM_ROWS[record["row"]], record["variant"], record["phase"],
-               record["seed"])
-        source = next((r for r in records if log_key(r) == key), None)
-        if source is None:
-            sys.exit(f"error: {record['row']} seed {record['seed']} logs no network and its source "
-                     f"row {key[1]} is not logged: which network it evaluated is unknown")
-        return network_of(source, records)
-    return json.loads(provenance.command_signature(record["commands"][0]))
+def network_of(record):
+    """The network a logged row evaluated, from its signature (every line the tables show logs
+    one; the lines without are the unstamped ones their stamped reruns replaced)."""
+    network = record.get("network") or {}
+    return " ".join(str(network.get(k, "not logged")) for k in ("arch", "image_token",
+                                                              "keys_sha256"))
 
 
 def baselines(records, data, phase):
@@ -177,7 +156,7 @@ def value(record, key):
     return record.get(key)
 
 
-def gains(rs, base, records, key="knn_top1"):
+def gains(rs, base, key="knn_top1"):
     """value(rs[i], key) minus that of its own network's random init, seed by seed; None unless
     every record has one. Exits with one line if a pair would be two different networks."""
     out = []
@@ -185,12 +164,11 @@ def gains(rs, base, records, key="knn_top1"):
         b = base.get((baseline_row(r["row"]), r["seed"]))
         if b is None or value(r, key) is None or value(b, key) is None:
             return None
-        mine, theirs = network_of(r, records), network_of(b, records)
-        if mine != theirs:
+        mine, theirs = (network_of(x) for x in (r, b))
+        if mine != theirs or "network" not in r:
             sys.exit(f"error: {r['row']} ({r['variant']}, seed {r['seed']}) cannot be paired with "
-                     f"{b['row']}: another network ({mine['arch']} {mine['image_token']} "
-                     f"{mine['keys_sha256']} vs {theirs['arch']} {theirs['image_token']} "
-                     f"{theirs['keys_sha256']}); log its own random-init row")
+                     f"{b['row']}: another network, or none logged ({mine} vs {theirs}); log its "
+                     "own random-init row")
         out.append(value(r, key) - value(b, key))
     return out
 
@@ -259,8 +237,8 @@ def comparison_table(records, data, phase, entries=None, shown=None):
             chosen = phase == "val" or row in RANDOM_ROWS or validated(records, row, variant)
             shown = variant if chosen else f"{variant} (test only)"
             knn_gain, linear_gain = ((None, None) if row in RANDOM_ROWS else
-                                     (gains(rs, base, records),
-                                      gains(rs, base, records, "linear_top1")))
+                                     (gains(rs, base),
+                                      gains(rs, base, "linear_top1")))
             corr = [r["correspondence"] for r in rs]
             flip = (f"{cell([c['esvit']['top10_accuracy'] for c in corr])} / "
                     f"{cell([c['esvit']['accuracy'] for c in corr])}")
@@ -281,14 +259,17 @@ def comparison_table(records, data, phase, entries=None, shown=None):
     return "\n".join(lines)
 
 
+def error_of(rs, data, key):
+    """The binomial error of one evaluation of the read-out `key` at the worst accuracy of `rs`."""
+    images = provenance.CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data]
+    return claims.binomial_error([value(r, key) for r in rs], images)
+
+
 def verdict_of(diffs, rs, data, key):
-    """`diffs` (seed by seed) as the rule judges them: "+0.82: finding" (claims.finding, with the
-    binomial error of one evaluation of the read-out `key` at the worst accuracy of `rs`)."""
+    """`diffs` (seed by seed) as the rule judges them: "+0.82: finding" (claims.finding)."""
     if not diffs:
         return "—"
-    error = claims.binomial_error([value(r, key) for r in rs],
-                                  CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data])
-    return f"{statistics.mean(diffs):+.2f}: {claims.finding(diffs, error)}"
+    return f"{statistics.mean(diffs):+.2f}: {claims.finding(diffs, error_of(rs, data, key))}"
 
 
 def summary_table(records, entries=(), data="fashion_mnist", phase="test", variant="recipe"):
@@ -314,7 +295,7 @@ def summary_table(records, entries=(), data="fashion_mnist", phase="test", varia
                         key=lambda r: r["seed"])
             if not rs:
                 continue
-            gain = gains(rs, base, records)
+            gain = gains(rs, base)
             own = baseline_row(rs[0]["row"])
             own_random = cell([base[(own, r["seed"])]["knn_top1"] for r in rs])
             note = (f" (over its own random init {own_random})"
@@ -349,8 +330,8 @@ def differences(records, data="fashion_mnist", phase="test", variant="recipe"):
             continue
         found[row] = (len(rs), {})
         for key in ("knn_top1", "linear_top1"):
-            mine = gains(rs, base, records, key)
-            theirs = gains([dino[r["seed"]] for r in rs], base, records, key)
+            mine = gains(rs, base, key)
+            theirs = gains([dino[r["seed"]] for r in rs], base, key)
             found[row][1][key] = (mine, [a - b for a,
                                          b in zip(mine, theirs)] if mine and theirs else None)
     return found
@@ -381,7 +362,7 @@ def long_budget_table(records, entries=(), data="fashion_mnist"):
             shown = variant if chosen else f"{variant} (test only)"
             lines.append(f"| {row} | {phase} | {shown} | {steps} | {len(rs)} | "
                          f"{cell([r['knn_top1'] for r in rs])} | "
-                         f"{signed(gains(rs, base, records))} | "
+                         f"{signed(gains(rs, base))} | "
                          + (f"{signed(below)} ({', '.join(f'{d:+.2f}' for d in below)})"
                             if below else "—")
                          + f" | {cell([r.get('linear_top1') for r in rs])} | {logged_dates(rs)} | "
@@ -448,23 +429,19 @@ def findings(records, data, phase, variant):
     said = []
 
     def told(diffs, rs, key):
-        if not diffs:
-            return None
-        error = claims.binomial_error([value(r, key) for r in rs],
-                                      CORRESPONDENCE_IMAGES if key == "overlap" else IMAGES[data])
-        return claims.told(diffs, error)
+        return claims.told(diffs, error_of(rs, data, key)) if diffs else None
     for row in (r for r in ROWS if r in by_row):
         rs = by_row[row]
         random = [base[(baseline_row(row), r["seed"])] for r in rs
                   if (baseline_row(row), r["seed"]) in base]
         said.append((row, f"its random init ({baseline_row(row)})",
-                     {k: told(gains(rs, base, records, k), rs + random, k) for k in READOUTS}))
+                     {k: told(gains(rs, base, k), rs + random, k) for k in READOUTS}))
         dino = {r["seed"]: r for r in by_row.get(f"{METHOD_FLAGS[row][0]}_dino", [])}
         if not row.endswith("_dino") and all(r["seed"] in dino for r in rs):
             theirs = [dino[r["seed"]] for r in rs]
             said.append((row, f"{METHOD_FLAGS[row][0]}_dino (gain minus its gain)", {
-                k: told([a - b for a, b in zip(gains(rs, base, records, k) or [],
-                                                  gains(theirs, base, records, k) or [])],
+                k: told([a - b for a, b in zip(gains(rs, base, k) or [],
+                                                  gains(theirs, base, k) or [])],
                         rs + theirs, k) for k in READOUTS}))
         if pixels and rs[0]["steps"] > 400:
             said.append((row, "the raw pixels (20-NN)", {

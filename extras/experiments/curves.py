@@ -187,12 +187,6 @@ def curves_picture(series, title, pixels=None, panel=(420, 300), margin=(56, 30,
     return pil_to_tensor(picture)
 
 
-def read_json_lines(path):
-    """extras/experiments/compare.py's log as its tables show it (compare_tables.current); one
-    line and exit 1 for any other file."""
-    return compare_tables.current(compare_tables.read_checked(path))[0]
-
-
 def get_args_parser():
     p = argparse.ArgumentParser("curves.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -219,7 +213,7 @@ def main(args):
 def curves_inputs(args):
     """(series, title, raw-pixel level) of the curves picture that `args` (the curves command's)
     draws from its --log."""
-    records = read_json_lines(args.log)
+    records = compare_tables.current(compare_tables.read_checked(args.log))   # as shown
     series = curve_series(records, args.data, args.phase, args.variant)
     if not series:
         common.die(f"{args.log} has no learning curve of --data {args.data} --phase {args.phase} "

@@ -1,37 +1,28 @@
-"""Where a logged number comes from, and which network it measured (used by
-extras/experiments/compare.py, extras/experiments/results.py and extras/experiments/quickstart.py;
-not a script).
-
-- `stamp(started)`: what every new JSON line of a log records beside its numbers: the UTC times, the
-  commit at the start (and the tracked files that differed from it then), and the machine (CPU
-  model, cores, threads per process, load average at the start and at the end). `superseded`: a line
-  written before stamps existed gives way to the same work run again, stamped.
-- `network_signature(ckpt)`: the network an evaluation reads from a checkpoint, as eval_knn.py
-  rebuilds it: its image token (the backbone's, or SelfPatch's class-attention module "ca_head")
-  and a digest of its state dict's keys and shapes. Two rows may be paired (a gain over random
-  initialisation) only if their signatures are equal.
-- `starting_checkpoint(...)`: a training command's network at its first step (the method's own
-  `build_model` after `--seed`), written as a checkpoint that eval_knn.py reads.
-- `run(cmd, log_path)`: a command of a logged piece of work, its output kept; a SIGTERM to the
-  driver is passed on to it (a training writes its checkpoint), so that none is left running.
-- `locked(log)`, `rewrite_log(log, lines)`: a log held by one process at a time (the drivers of
-  several seeds append to one log), and replaced whole when a line of it changes.
-- `read_log(path)`: a log's records, or one line and a non-zero exit when the log is missing, not
-  a file, empty, or not JSON lines (a generator must not write tables from nothing).
+"""Where a logged number comes from, and which network it measured (used by the drivers
+compare.py, results.py and quickstart.py, and by extras/perf; not a script): `stamp` (the UTC
+times, the commit and uncommitted files at the start, the machine), `run` (a command, its output
+kept, a SIGTERM passed on), `Evaluator` (compare.py's read-outs of a row, each with its cost and
+raw output), `network_signature` and `starting_checkpoint` (the network a checkpoint or a training
+command's first step holds: two rows are paired only if equal), and the logs: `locked`,
+`append_line`, `rewrite_log`, `read_log` and `check_fields` (one line and exit 1 for a log that is
+missing, not JSON lines, or lacks a field a table reads: no table is written from nothing).
 """
 import contextlib
 import datetime
 import fcntl
-import functools
 import hashlib
 import importlib
 import io
 import json
+import math
 import os
 import platform
+import re
+import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,15 +120,6 @@ def stamp(started):
                         "torch": torch.__version__, "python": platform.python_version()}}
 
 
-def superseded(records, key):
-    """(the lines to show, [(a line without a timestamp, the stamped line of its `key` that
-    supersedes it)]): a line written before stamps existed gives way to the same work run again and
-    stamped."""
-    stamped = {key(r): r for r in records if r.get("utc")}
-    shown = [r for r in records if r.get("utc") or key(r) not in stamped]
-    return shown, [(r, stamped[key(r)]) for r in records if not r.get("utc") and key(r) in stamped]
-
-
 def when(record):
     """A record's UTC time, or a mark that its line has none (lines written before stamps
     existed)."""
@@ -200,23 +182,6 @@ def initial_checkpoint(command, seed=None):
             "backbone": common.backbone_record(model.backbone, image_token=image_token)}
 
 
-def command_signature(command):
-    """network_signature of what a logged training command trains (built, not trained), as JSON."""
-    words = command.split()
-    # no bearing on the network
-    where = {"--seed", "--output_dir", "--holdout", "--dataset", "--data_path"}
-    kept = [w for i,
-            w in enumerate(words) if w not in where and (i == 0 or words[i - 1] not in where)]
-    return signature_of_flags(" ".join(kept))
-
-
-@functools.lru_cache(maxsize=None)
-def signature_of_flags(command):
-    import torch
-    with torch.device("meta"):           # shapes only: nothing is initialised
-        return json.dumps(network_signature(initial_checkpoint(command, seed=0)), sort_keys=True)
-
-
 def starting_checkpoint(command, path):
     """Write `command`'s network at its first step to `path` (a checkpoint eval_knn.py reads); its
     signature."""
@@ -225,6 +190,129 @@ def starting_checkpoint(command, path):
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.save(ckpt, path)
     return network_signature(ckpt)
+
+
+# ------------------------------------------------------------------------------------------------
+# The evaluations of one row of compare.py, each a logged command with its wall and CPU seconds and
+# the figures' lines of its output, and what the drivers read from that output
+# ------------------------------------------------------------------------------------------------
+def knn_top1(output):
+    return knn_top1_by_k(output)["20"]
+
+
+def knn_top1_by_k(output):
+    """{"10": top-1, "20": ...}: every k of eval_knn.py's output (`--nb_knn 10 20 100 200`)."""
+    found = re.findall(r"(\d+)-NN classifier result: top-1 ([0-9.]+)%", output)
+    if not any(k == "20" for k, _ in found):
+        sys.exit("error: no 20-NN result in eval_knn.py's output")
+    return {k: float(value) for k, value in found}
+
+
+def parse_correspondence(output):
+    """{protocol: {top10_accuracy, accuracy, ...}} from extras/tools/eval_correspondence.py's log
+    lines."""
+    metrics = {}
+    for m in re.finditer(r"(\w+): top-10 accuracy ([0-9.]+)%, distance ([0-9.]+) cells \| all "
+                         r"tokens: accuracy "
+                         r"([0-9.]+)% \(chance ([0-9.]+)%\), distance ([0-9.]+) cells", output):
+        metrics[m.group(1)] = dict(zip(["top10_accuracy", "top10_distance", "accuracy",
+                                        "chance_accuracy",
+                                        "distance"], map(float, m.groups()[1:])))
+    if not metrics:
+        sys.exit("error: no correspondence metrics in extras/tools/eval_correspondence.py's output")
+    return metrics
+
+
+def parse_collapse(output):
+    k = re.search(r"K = (\d+) \(ln K", output)
+    h = re.search(r"per-image entropy ([0-9.]+) \| entropy of the mean target ([0-9.]+)", output)
+    if not (k and h):
+        sys.exit("error: no entropies in extras/tools/teacher_outputs.py's output")
+    return {"teacher_entropy": float(h.group(1)), "mean_target_entropy": float(h.group(2)),
+            "ln_k": math.log(int(k.group(1)))}
+
+
+KNN_KS = (10, 20, 100, 200)      # DINO's k of its k-NN evaluation
+
+
+EVAL = "--resize 32 --crop 32 --num_workers 1"
+# The authors' 100 epochs, on features extracted once (no augmentation: the epochs cost seconds, not
+# a pass of the backbone each). The lr was chosen on the val phase (docs/COMPARISON.md, "Columns").
+LINEAR = "--precomputed_features true --epochs 100 --val_freq 100 --lr 1.0 --batch_size_per_gpu 256"
+CORRESPONDENCE_IMAGES = 500
+# the lines of an evaluation's output that hold a logged figure (kept in the JSON line as
+# raw_output)
+RAW_FIGURES = r"NN classifier result|top-10 accuracy|per-image entropy|K = \d+ \(ln K"
+
+
+def children_cpu_seconds():
+    # finished children and their waited-for children
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Evaluator:
+    """Runs the commands of one row, records them, and adds up their wall and CPU seconds by kind
+    (CPU seconds count the cores a command kept busy, its loader workers included: on a shared
+    machine they say what a row costs better than wall time)."""
+
+    def __init__(self, data, out, seed):
+        self.data = data
+        self.out = Path(out)
+        self.seed = seed
+        self.commands = []
+        self.wall_seconds = {}
+        self.cpu_seconds = {}
+        self.raw_output = {}
+
+    def call(self, args, log_name):
+        kind = log_name.split(".")[0].split("_")[0]
+        self.commands.append(" ".join(["python", *args]))
+        start = time.time()
+        cpu = children_cpu_seconds()
+        output = run([sys.executable, *args], self.out / log_name)
+        for total, value in ((self.wall_seconds, time.time() - start),
+                             (self.cpu_seconds, children_cpu_seconds() - cpu)):
+            total[kind] = round(total.get(kind, 0.0) + value, 1)
+        figures = [line for line in output.splitlines() if re.search(RAW_FIGURES, line)]
+        if figures:
+            self.raw_output[log_name.removesuffix(".txt")] = figures
+        return output
+
+    def knn(self, weights, random_init=False, name="knn"):
+        """{k: top-1} at DINO's four k (10, 20, 100, 200): no comparison rests on one k."""
+        baseline = ["--random_init", "--seed", str(self.seed)] if random_init else []
+        ks = [str(k) for k in KNN_KS]
+        return knn_top1_by_k(self.call(["eval_knn.py", *self.data, *EVAL.split(),
+                                                "--nb_knn", *ks, "--pretrained_weights",
+                                                str(weights), *baseline], f"{name}.txt"))
+
+    def linear(self, weights, random_init=False):
+        out = self.out / "linear"
+        baseline = ["--random_init"] if random_init else []
+        self.call(["eval_linear.py", *self.data, *EVAL.split(), *LINEAR.split(),
+                   "--seed", str(self.seed), "--pretrained_weights", str(weights), *baseline,
+                   "--output_dir", str(out)], "linear.txt")
+        # the last epoch's top-1, not eval_linear's best over the validated epochs (it also
+        # validates epoch 0): nothing is chosen on the evaluation split
+        last = (out / "log.txt").read_text().splitlines()[-1]
+        self.raw_output["linear"] = [last]
+        return json.loads(last)["val_top1"]
+
+    def correspondence(self, weights, random_init=False, protocols=("esvit", "overlap"),
+                       name="correspondence"):
+        baseline = ["--random_init"] if random_init else []
+        return parse_correspondence(self.call(
+            ["extras/tools/eval_correspondence.py", *self.data, "--crop_size", "32", "--max_images",
+             str(CORRESPONDENCE_IMAGES), "--num_workers", "0", "--seed", str(self.seed),
+             "--protocols", *protocols,
+             "--pretrained_weights", str(weights), *baseline], f"{name}.txt"))
+
+    def collapse(self, weights):
+        return parse_collapse(self.call(["extras/tools/teacher_outputs.py", *self.data,
+                                                 *EVAL.split(), "--max_images", "2000",
+                                                 "--pretrained_weights", str(weights)],
+                                                "teacher_outputs.txt"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,10 +15,9 @@ README.md and docs/COMPARISON.md from the log. Not collected by pytest.
     python extras/experiments/quickstart.py --table
 
 The training command is the README's, with the data flags of --data (compare.py's datasets) and
---holdout 10000 in the val phase; it resumes (a finished run is not trained again), so a second
---eval_data evaluates the same checkpoint. Lines logged before stamps existed are marked "no
-timestamp"; of several lines with the same (data, trained on, phase, variant), the tables show the
-last one logged, and the others are listed under its table with both figures.
+--holdout 10000 in the val phase; a second --eval_data evaluates the same checkpoint. Of several
+lines with the same (data, trained on, phase, variant), the tables show the last one logged and
+list the others under it with both figures.
 """
 import argparse
 import json
@@ -77,8 +76,7 @@ def run(args):
     eval_data = compare.data_flags(args.eval_data or args.data, args.phase, args.data_dir)
     name = f"{args.variant}_{args.data}_{args.phase}_{args.steps}"
     out = Path(args.work_dir) / name
-    resumed = (out / "checkpoint.pth").exists() and not args.eval_data
-    if resumed:                  # it would log a training that did not run
+    if (out / "checkpoint.pth").exists() and not args.eval_data:   # a training that did not run
         raise SystemExit(f"error: {out} already holds a trained run; train again with another "
                          "--work_dir or --variant, or evaluate it with --eval_data")
     out.mkdir(parents=True, exist_ok=True)
@@ -92,14 +90,13 @@ def run(args):
     use = {"driver": "quickstart.py", "data": args.eval_data or args.data,
            "row": f"dino trained on {args.data}", "seed": 0, "budget": args.steps,
            "evaluation": "row", "command": " ".join(["python", *train])}
-    if args.phase == "test":        # refused before training; recorded before the split is read
-        split_ledger.check_test_use(args.ledger, use, args.reason)
+    # refused before training; recorded as the split is about to be read
+    use = split_ledger.ledger_guard(args.ledger, use, args.reason, args.phase == "test")
     start = time.time()
     provenance.run([sys.executable, *train], out / "train.txt")
     provenance.check_trained(train, out)
     train_seconds = round(time.time() - start, 1)
-    use = (split_ledger.record_test_use(args.ledger, use, args.reason)
-           if args.phase == "test" else None)
+    use()
     raw = {}
     for key, command in (("knn", evaluation), ("random_init", baseline)):
         raw[key] = knn_line(provenance.run([sys.executable, *command],
@@ -115,7 +112,7 @@ def run(args):
             "precision": json.loads((out / "args.json").read_text()).get("precision"),
             "commands": [" ".join(["python", *c]) for c in (train, evaluation, baseline)],
             "raw_output": raw,
-            **({"resumed": True} if resumed else {}), **({"test_use": use} if use else {}),
+            **({"test_use": use.id} if use.id else {}),
             **provenance.stamp(started)}
 
 
@@ -231,17 +228,8 @@ def get_args_parser():
                    help="the data of the k-NN (default --data)")
     p.add_argument("--phase", default="test", choices=["val", "test"])
     p.add_argument("--steps", default=400, type=int, help="training steps (a multiple of 50)")
-    p.add_argument("--variant", default="quickstart", help="name under which the run is logged")
-    p.add_argument("--extra", default="", help="training flags added to the README's")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "quickstart_log"),
-                   help="output directories of the runs")
-    p.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
-                   help="where compare.py's built datasets are written")
-    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "quickstart.jsonl"))
-    p.add_argument("--table", action="store_true",
-                   help="run nothing: rewrite the generated blocks from --log")
-    split_ledger.add_ledger_args(p)
-    return p
+    return split_ledger.add_driver_args(p, "quickstart_log", "quickstart.jsonl", "quickstart",
+                                        data_dir=True)
 
 
 def main():
@@ -257,25 +245,17 @@ def main():
     if not args.table:
         provenance.check_log_writable(args.log)
         provenance.check_log_writable(args.ledger, what="--ledger")
-    for job in [args] if not args.table else []:
-        if "fashion_mnist_8k" in (job.data, job.eval_data):
-            compare.write_fashion_mnist_8k(job.data_dir)
-        record = run(job)
-        with provenance.locked(job.log):
-            provenance.append_line(job.log, record)
-        if record.get("test_use"):
-            split_ledger.record_test_result(job.ledger, record["test_use"], record["knn_top1"])
-        print(f"{record['data']} (trained on {record['trained_on']}) {job.phase} {job.variant}: "
+        if "fashion_mnist_8k" in (args.data, args.eval_data):
+            compare.write_fashion_mnist_8k(args.data_dir)
+        record = run(args)
+        split_ledger.log_result(args, record, record["knn_top1"])
+        print(f"{record['data']} (trained on {record['trained_on']}) {args.phase} {args.variant}: "
               f"20-NN {record['knn_top1']:.2f}% against {record['random_init_knn_top1']:.2f}%",
               flush=True)
-    if args.table:
+    else:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
-        texts = {path: (ROOT / path).read_text() for path in TARGETS}
-        for path, names in TARGETS.items():
-            refreshed = results.refresh(texts[path], {n: blocks[n] for n in names},
-                                        tag="quickstart.py")
-            (ROOT / path).write_text(refreshed)
-            print(f"{path}: {'refreshed' if refreshed != texts[path] else 'already up to date'}")
+        results.write_documents({ROOT / path: {n: blocks[n] for n in names}
+                                 for path, names in TARGETS.items()}, "quickstart.py")
 
 
 if __name__ == "__main__":

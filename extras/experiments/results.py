@@ -7,19 +7,12 @@ own scale (32 px crops of the 28 px images), over several seeds. Not collected b
     python extras/experiments/results.py --runs pixels    # the k-NN on raw pixels, for scale
     python extras/experiments/results.py --table          # refresh docs/RESULTS.md from the log
 
-Phases. `val` trains with `--holdout 10000` and evaluates on those last 10000 train images (the
-other 50000 are the k-NN bank): every recipe and variant was chosen there. `test` trains on all
-60000 and evaluates once on the 10000 test images. Each run is also evaluated at its random
-initialisation (`eval_knn.py --random_init` on its own checkpoint: same architecture, windows and
-seed). k-NN: k = 20, T = 0.07. One JSON line per (run, variant, phase, seed) goes to --log with the
-exact commands, train time and peak memory. `--variant NAME --extra "FLAGS"` logs a variant of a
-recipe under its own name (SelfPatch's were searched on a one-epoch base, `selfpatch_epochs1`).
-
-`--table` rewrites the generated blocks of docs/RESULTS.md (between `<!-- results.py:NAME -->` and
-`<!-- /results.py -->`) from the stamped lines (UTC time, commit, machine): the two tables, DRLoc's
-paired comparisons and, for every row, the results.py command that reproduces it (the flags that
-differ from the recipe as it stands now are recovered from the logged training command by parsing
-both with the script's own parser). The prose around the blocks is written by hand.
+Phases, baseline and measure: docs/RESULTS.md, "Protocol". One JSON line per (run, variant, phase,
+seed) goes to --log with the exact commands, train time, peak memory and provenance.stamp;
+`--variant NAME --extra "FLAGS"` logs a variant of a recipe under its own name. `--table` rewrites
+the generated blocks (`<!-- results.py:NAME -->` ... `<!-- /results.py -->`) of docs/RESULTS.md
+and docs/APPENDIX.md from the stamped lines, each row's command included (its flags that differ
+from the recipe as it stands now, parsed with the script's own parser).
 """
 import argparse
 import importlib
@@ -30,16 +23,17 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import claims  # noqa: E402
 import common  # noqa: E402
+import eval_knn  # noqa: E402
 import provenance  # noqa: E402
 import split_ledger  # noqa: E402
 from claims import DRLOC_ARCHS, DRLOC_EPOCHS, drloc_regime, paired_difference  # noqa: E402,F401
-from readouts import (KNN_KS, knn_top1, knn_top1_by_k, parse_collapse,  # noqa: E402,F401
-                      parse_correspondence, pixels_knn_by_k, pixels_knn_top1,
-                      write_fashion_mnist_8k)
+from provenance import KNN_KS, knn_top1  # noqa: E402
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 APPENDIX_MD = ROOT / "docs" / "APPENDIX.md"       # the detail blocks, out of the reader's path
@@ -98,52 +92,55 @@ RUNS = {
 HOLDOUT = 10000
 
 
+def pixels_knn_by_k(bank, queries, ks=KNN_KS, resize=32, crop=32):
+    """{k: top-1} of the k-NN (T = 0.07, eval_knn.py's vote) on the raw pixels as the networks are
+    evaluated on them (eval_knn.py's transform flattened and l2-normalised) at each k of `ks`.
+    `bank` and `queries` are labelled datasets of PIL images."""
+    transform = common.eval_transform(resize, crop)
+
+    def features(dataset):
+        pairs = [dataset[i] for i in range(len(dataset))]
+        pixels = torch.stack([transform(image.convert("RGB")).flatten() for image, _ in pairs])
+        labels = torch.tensor([label for _, label in pairs])
+        return torch.nn.functional.normalize(pixels, dim=1), labels
+
+    (bank_features, bank_labels), (query_features, query_labels) = features(bank), features(queries)
+    return {k: eval_knn.knn_classifier(bank_features, bank_labels, query_features, query_labels,
+                                       k=k, T=0.07, num_classes=len(bank.classes))[0]
+            for k in ks if k <= len(bank_labels)}        # no k past the bank's size
+
+
 def pixels_top1(phase):
     """The raw-pixel 20-NN of Fashion-MNIST: val, the last HOLDOUT train images against the others;
     test, the test split against the train split."""
     data = argparse.Namespace(dataset="fashion_mnist", data_path=None,
                               holdout=HOLDOUT if phase == "val" else 0)
-    return pixels_knn_top1(common.build_dataset(data, train=True),
-                           common.build_dataset(data, train=False))
+    return pixels_knn_by_k(common.build_dataset(data, train=True),
+                           common.build_dataset(data, train=False), (20,))[20]
 
 
 def train_and_evaluate(name, variant, extra, phase, seed, work_dir, ledger=None, reason=""):
     """One run's JSON record, stamped (provenance.stamp: UTC time, commit, machine). On the test
     phase its ledger line is appended first (`ledger`: the ledger's path)."""
     started = provenance.start()
-    ledger = ledger or split_ledger.LEDGER
-    use = ledger_use(name, extra, phase, seed, ledger, reason, check_only=True)
-    ids = []
-
-    def before_test():
-        """Record the use as the first test image is about to be read (DRLoc: before training,
-        whose every epoch evaluates; the others: after it)."""
-        if use and not ids:
-            ids.append(ledger_use(name, extra, phase, seed, ledger, reason))
-    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
-                                          before_test)
-    return {**record, **({"test_use": ids[0]} if ids else {}), **provenance.stamp(started)}
+    # recorded as the first test image is about to be read (DRLoc: before training, whose every
+    # epoch evaluates; the others: after it)
+    use = ledger_use(name, extra, phase, seed, ledger or split_ledger.LEDGER, reason)
+    record = train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir, use)
+    return {**record, **({"test_use": use.id} if use.id else {}), **provenance.stamp(started)}
 
 
-def ledger_use(name, extra, phase, seed, ledger, reason, check_only=False):
-    """The ledger's id of a test-phase run (None on val); check_only: refuse a second use without
-    a reason, recording nothing. Its budget: the epochs its training command ends with (later
-    flags win)."""
-    if phase != "test":
-        return None
+def ledger_use(name, extra, phase, seed, ledger, reason):
+    """The ledger's guard of a run (split_ledger.ledger_guard); its budget: the epochs its training
+    command ends with (later flags win)."""
     script, flags = RUNS[name]
-    if script is None:
-        command = "python extras/experiments/results.py --runs pixels --phase test"
-        budget = None
-    else:
-        command = " ".join(["python", script, *flags.split(), *extra.split(), "--seed", str(seed)])
-        budget = int(float(re.findall(r"--epochs[ =](\S+)", command)[-1]))
+    command = ("python extras/experiments/results.py --runs pixels --phase test" if script is None
+               else " ".join(["python", script, *flags.split(), *extra.split(), "--seed",
+                              str(seed)]))
     use = {"driver": "results.py", "data": "fashion_mnist", "row": name, "seed": seed,
-           "budget": budget, "evaluation": "row", "command": command}
-    if check_only:
-        split_ledger.check_test_use(ledger, use, reason)
-        return True
-    return split_ledger.record_test_use(ledger, use, reason)
+           "budget": budget_of({"train_command": command}), "evaluation": "row",
+           "command": command}
+    return split_ledger.ledger_guard(ledger, use, reason, phase == "test")
 
 
 def train_and_evaluate_unstamped(name, variant, extra, phase, seed, work_dir,
@@ -212,12 +209,10 @@ def budget_of(record):
 
 
 def test_uses(rs, entries):
-    """Which test use of its run, seed and budget each seed's figure is (the ledger's count)."""
-    notes = []
-    for r in rs:
-        key = ("results.py", "fashion_mnist", r["run"], r["seed"], budget_of(r), "row")
-        notes.append(f"{r['seed']}: {split_ledger.use_note(entries, key, r, r['top1'])}")
-    return ", ".join(notes)
+    """The ledger's count beside the figures: which test use of its run and budget each line is."""
+    return split_ledger.use_notes(
+        rs, entries, lambda r: ("results.py", "fashion_mnist", r["run"], r["seed"], budget_of(r),
+                                "row"), lambda r: r["top1"])
 
 
 def table(records, phase, entries=None):
@@ -360,38 +355,13 @@ def log_key(record):
     return record["run"], record.get("variant", "recipe"), record["phase"], record["seed"]
 
 
-def relogged_table(pairs):
-    """Each run logged again with its stamp: its top-1 and random-init top-1 then and now."""
-    lines = ["| run | variant | phase | seed | top-1 (%): then, now | now minus then | random init "
-             "(%): then, now | logged again (UTC) |", "|---" * 8 + "|"]
-    for old, new in pairs:
-        base = (f"{old['random_init_top1']:.2f}, {new['random_init_top1']:.2f}"
-                if "random_init_top1" in old and "random_init_top1" in new else "—")
-        lines.append(f"| {new['run']} | {new.get('variant', 'recipe')} | {new['phase']} | "
-                     f"{new['seed']} | {old['top1']:.2f}, {new['top1']:.2f} | "
-                     f"{new['top1'] - old['top1']:+.2f} | {base} | {new['utc'][:10]} |")
-    return "\n".join(lines) if pairs else "No run logged without a timestamp has run again."
-
-
-def unstamped_note(records):
-    """The lines logged before the log held a time, commit and machine: not published, their runs
-    listed with their commands."""
-    if not records:
-        return "Every line of the log is stamped."
-    commands = "\n".join(reproducing_commands(records))
-    return (f"{len(records)} lines of the log were written before it held a time, commit and "
-            f"machine; their figures are not published. Their runs:\n\n```bash\n{commands}\n```")
-
-
 def generated_blocks(records, ledger=None):
-    """{block name: markdown} of docs/RESULTS.md from the stamped lines; a stamped line supersedes
-    the unstamped ones of its run, and the others are only listed (unstamped_note); the test uses
-    from the ledger (its path; default: the committed one)."""
+    """{block name: markdown} of docs/RESULTS.md and docs/APPENDIX.md from the stamped lines (the
+    lines logged before stamps are in FROZEN blocks only) and the test ledger (its path; default:
+    the committed one)."""
     entries = split_ledger.read_ledger(ledger or COMMITTED_LEDGER)
     uses = split_ledger.ledger_table(entries, {"results.py"}, "epochs")
-    records, relogged = provenance.superseded(records, log_key)
-    blocks = {"relogged": relogged_table(relogged),
-              "unstamped": unstamped_note([r for r in records if not r.get("utc")])}
+    blocks = {}
     records = [r for r in records if r.get("utc")]
     for phase in ("test", "val"):
         text = table(records, phase, entries)
@@ -406,11 +376,29 @@ def generated_blocks(records, ledger=None):
     return blocks
 
 
+def write_documents(documents, tag="results.py"):
+    """Refresh the `tag` blocks of each document ({path: its blocks}), every block made before any
+    file is written, and say which changed."""
+    texts = {path: path.read_text() for path in documents}
+    refreshed = {path: refresh(texts[path], blocks, tag) for path, blocks in documents.items()}
+    for path, text in refreshed.items():
+        path.write_text(text)
+        print(f"{path.relative_to(ROOT)}: "
+              f"{'refreshed' if text != texts[path] else 'already up to date'}")
+
+
+# blocks of fixed history, kept as written: the lines logged before stamps existed, beside their
+# stamped reruns (`relogged`) or listed (`unstamped`); every line logged since is stamped
+FROZEN = {"relogged", "unstamped"}
+
+
 def refresh(markdown, blocks, tag="results.py"):
     """`markdown` with the body of every `<!-- TAG:NAME -->` ... `<!-- /TAG -->` block replaced by
-    blocks[NAME] (TAG: the script that generates the blocks)."""
+    blocks[NAME] (TAG: the script that generates the blocks), FROZEN blocks as they are."""
     def replace(match):
         name = match.group(1)
+        if name in FROZEN:
+            return match.group(0)
         if name not in blocks:
             sys.exit(f"error: the markdown has a block {name!r} that {tag} does not generate")
         return f"<!-- {tag}:{name} -->\n{blocks[name]}\n<!-- /{tag} -->"
@@ -426,18 +414,7 @@ def get_args_parser():
                    help="val: train on 50k, evaluate on the held-out 10k train images; test: the "
                         "reported numbers")
     p.add_argument("--seeds", nargs="+", type=common.COUNT, default=[0, 1])
-    p.add_argument("--variant", default="recipe",
-                   help="name under which a variant (--extra) is logged")
-    p.add_argument("--extra", default="", help="flags added to the recipe's (e.g. \"--epochs 2\")")
-    p.add_argument("--work_dir", default=str(ROOT / "runs" / "results"),
-                   help="output directories of the runs")
-    p.add_argument("--log", default=str(ROOT / "docs" / "data" / "results_32px.jsonl"),
-                   help="one JSON line per (run, variant, phase, seed) is appended here")
-    p.add_argument("--table", action="store_true",
-                   help="rewrite the generated blocks of docs/RESULTS.md (tables, commands) from "
-                        "--log")
-    split_ledger.add_ledger_args(p)
-    return p
+    return split_ledger.add_driver_args(p, "results", "results_32px.jsonl")
 
 
 def main():
@@ -466,10 +443,7 @@ def main():
                 continue
             record = train_and_evaluate(name, args.variant, args.extra, args.phase, seed,
                                         args.work_dir, args.ledger, args.reason)
-            with provenance.locked(args.log):
-                provenance.append_line(args.log, record)
-            if record.get("test_use"):
-                split_ledger.record_test_result(args.ledger, record["test_use"], record["top1"])
+            split_ledger.log_result(args, record, record["top1"])
             baseline = (f" (random init {record['random_init_top1']:.2f}%)"
                         if "random_init_top1" in record else "")
             took = (f"{record['train_seconds'] / 60:.1f} min" if "train_seconds" in record
@@ -478,12 +452,7 @@ def main():
                   f"{record['top1']:.2f}%{baseline}, {took}", flush=True)
     if args.table:
         blocks = generated_blocks(read_checked(args.log), args.ledger)
-        for path in (RESULTS_MD, APPENDIX_MD):
-            markdown = path.read_text()
-            refreshed = refresh(markdown, blocks)
-            path.write_text(refreshed)
-            print(f"{path.relative_to(ROOT)}: "
-                  f"{'refreshed' if refreshed != markdown else 'already up to date'}")
+        write_documents({RESULTS_MD: blocks, APPENDIX_MD: blocks})
 
 
 if __name__ == "__main__":

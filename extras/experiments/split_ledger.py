@@ -1,8 +1,8 @@
 """The test split's ledger (docs/data/test_ledger.jsonl): every evaluation on a test split, one
 line written as it is about to read the first test image and never rewritten; its result, and any
 later wording of its reason, appended as lines of their own. Used by extras/experiments/compare.py,
-results.py and quickstart.py (which refuse a second test use without a reason) and by their table
-generators."""
+results.py and quickstart.py (which refuse a second test use without a reason: `ledger_guard`;
+their shared flags: `add_driver_args`; their log lines: `log_result`) and by their generators."""
 import json
 import os
 import re
@@ -17,12 +17,26 @@ LEDGER = ROOT / "docs" / "data" / "test_ledger.jsonl"
 LEDGER_KEY = ("driver", "data", "row", "seed", "budget", "evaluation")
 
 
-def add_ledger_args(parser):
-    """--ledger and --reason, the same in every driver that may evaluate on the test split."""
+def add_driver_args(parser, work_dir, log, variant="recipe", data_dir=False):
+    """The flags of every driver (--ledger and --reason: the ledger's): its runs' folder under
+    runs/ (`work_dir`), its log under docs/data/ (`log`), and the built datasets' (`data_dir`)."""
+    parser.add_argument("--variant", default=variant,
+                        help="name under which a variant (--extra) is logged")
+    parser.add_argument("--extra", default="", help="training flags added to the recipe's")
+    parser.add_argument("--work_dir", default=str(ROOT / "runs" / work_dir),
+                        help="output directories of the runs")
+    if data_dir:
+        parser.add_argument("--data_dir", default=str(ROOT / "runs" / "data"),
+                            help="where compare.py's built datasets (fashion_mnist_8k) are written")
+    parser.add_argument("--log", default=str(ROOT / "docs" / "data" / log),
+                        help="one JSON line per run is appended here")
+    parser.add_argument("--table", action="store_true",
+                        help="rewrite the generated blocks of the documents from --log")
     parser.add_argument("--ledger", default=str(LEDGER),
                         help="every test-phase run is appended here before it starts")
     parser.add_argument("--reason", default="", help="why a test evaluation is repeated (refused "
                         "without one); the ledger and the documents show it")
+    return parser
 
 
 def read_ledger(path):
@@ -133,6 +147,30 @@ def record_test_use(path, use, reason=""):
     return entry["id"]
 
 
+def ledger_guard(path, use, reason, test=True):
+    """A driver's test use (`use`: its key and command; `test` false: the val phase, nothing): one
+    of a key the ledger holds is refused now, before any training, without `reason`; the function
+    returned records it when first called, as the first test image is about to be read, and keeps
+    its id as `.id` (None until then)."""
+    if test:
+        check_test_use(path, use, reason)
+
+    def record():
+        if test and record.id is None:
+            record.id = record_test_use(path, use, reason)
+        return record.id
+    record.id = None
+    return record
+
+
+def log_result(args, record, result):
+    """Append a driver's `record` to its --log, then the `result` of its test use to the ledger."""
+    with locked(args.log):
+        append_line(args.log, record)
+    if record.get("test_use"):
+        record_test_result(args.ledger, record["test_use"], result)
+
+
 def record_test_result(path, use_id, result):
     """Append the result of the use `use_id` (its own line: the use's line is never rewritten)."""
     with locked(path):
@@ -192,14 +230,11 @@ def use_note(entries, key, record, value):
     return f"use {number} of {len(uses)}"
 
 
-def reword_reason(path, use_id, reason, why):
-    """Append a new wording of a use's reason (the ledger is never rewritten): the documents
-    show it; `why` says what was wrong with the first."""
-    if use_id not in {e.get("id") for e in read_ledger(path) if e["kind"] == "use"}:
-        sys.exit(f"error: {path} holds no test use {use_id}")
-    with locked(path):
-        append_line(path, {"kind": "reason", "id": use_id, "reason": reason, "why": why,
-                           "utc": utc_now()}, what="--ledger")
+def use_notes(rs, entries, key_of, value_of):
+    """Which test use of its key (`key_of(line)`) each line is, seed by seed ("0: use 2 of 3, 1:
+    ..."), found by its `test_use` id or, before the ledger, by its value (`value_of(line)`)."""
+    return ", ".join(f"{r['seed']}: {use_note(entries, key_of(r), r, value_of(r))}"
+                     for r in sorted(rs, key=lambda r: r["seed"]))
 
 
 def uncommitted_code(entry, top_level=False):
