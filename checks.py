@@ -235,7 +235,7 @@ def report(message):
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         info = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        with contextlib.suppress(OSError), open(path, "w") as f:
+        with contextlib.suppress(OSError, SystemExit), common.open_for_writing(path) as f:
             json.dump({"message": {"message": message, "extraInfo": info}}, f)
     return message
 

@@ -97,3 +97,27 @@ def test_a_picture_is_never_written_over_a_symbolic_link(tmp_path):
                       "--global_crop_size", "32", "--local_crop_size", "16", "--output", link)
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {link} is a symbolic link")
     assert (tmp_path / "precious").read_text() == "keep me"
+
+
+def test_the_experiment_drivers_never_write_through_a_symbolic_link(tmp_path):
+    """A generated document, the curves picture, a run's output log and a starting checkpoint of
+    extras/experiments: each refuses a symbolic link in its place in one line, the target intact."""
+    sys.path.insert(0, str(ROOT / "extras" / "experiments"))
+    import curves
+    import provenance
+    import results
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep")
+    links = {name: tmp_path / name for name in ("doc.md", "curves.png", "run.txt", "start.pth")}
+    for link in links.values():
+        link.symlink_to(precious)
+    writes = [lambda: results.write_documents({links["doc.md"]: {}}),
+              lambda: curves.save_curves(common.torch.zeros(3, 4, 4, dtype=common.torch.uint8),
+                                         "{}", type("Args", (), {"output": links["curves.png"]})),
+              lambda: provenance.run([sys.executable, "-c", "pass"], links["run.txt"])]
+    for write in writes:
+        with pytest.raises(SystemExit, match="is a symbolic link"):
+            write()
+    with pytest.raises(SystemExit, match="is a symbolic link"):
+        common.save_checkpoint({"a": 1}, links["start.pth"])  # provenance.starting_checkpoint's
+    assert precious.read_text() == "keep"

@@ -111,8 +111,8 @@ def write_fashion_mnist_8k(data_dir):
         image, label = test[i]
         name = re.sub(r"\W+", "_", f"{label}_{test.classes[label]}")
         folder = root / ("train" if i < 8000 else "val") / name
-        folder.mkdir(parents=True, exist_ok=True)
-        image.convert("L").save(folder / f"{i:05d}.png")
+        with common.open_for_writing(folder / f"{i:05d}.png", "wb") as f:
+            image.convert("L").save(f, format="PNG")
     return root
 
 

@@ -236,8 +236,8 @@ def save_curves(picture, data, args):
     info = PngInfo()
     info.add_text("curves", data)
     info.add_text("pillow", PILLOW)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    to_pil_image(picture).save(args.output, pnginfo=info)
+    with common.open_for_writing(args.output, "wb") as f:  # never through a symbolic link
+        to_pil_image(picture).save(f, format="PNG", pnginfo=info)
     common.log(f"curves picture written to {args.output}")
     return picture
 

@@ -73,7 +73,7 @@ def run(cmd, log_path):
     same command resumes."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     stopped = []
-    with open(log_path, "w") as log:
+    with common.open_for_writing(log_path) as log:  # never through a symbolic link
         child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                  env=env)
 
@@ -185,10 +185,8 @@ def initial_checkpoint(command, seed=None):
 def starting_checkpoint(command, path):
     """Write `command`'s network at its first step to `path` (a checkpoint eval_knn.py reads); its
     signature."""
-    import torch
     ckpt = initial_checkpoint(command)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(ckpt, path)
+    common.save_checkpoint(ckpt, path)  # its folder made, never through a symbolic link
     return network_signature(ckpt)
 
 
@@ -402,7 +400,7 @@ def rewrite_log(log, lines):
     new, whole."""
     tmp = Path(log).with_name(f".{Path(log).name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        with common.open_for_writing(tmp) as f:
             f.write("\n".join(lines) + "\n")
             f.flush()
             os.fsync(f.fileno())

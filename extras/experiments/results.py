@@ -382,7 +382,8 @@ def write_documents(documents, tag="results.py"):
     texts = {path: path.read_text() for path in documents}
     refreshed = {path: refresh(texts[path], blocks, tag) for path, blocks in documents.items()}
     for path, text in refreshed.items():
-        path.write_text(text)
+        with common.open_for_writing(path) as f:  # never through a symbolic link
+            f.write(text)
         print(f"{path.relative_to(ROOT)}: "
               f"{'refreshed' if text != texts[path] else 'already up to date'}")
 
