@@ -1,15 +1,11 @@
 """`--batched_crops`: DINO's multi-crop cut on the training device, for speed only.
 
-The loader workers read each image (on a GPU they only read baseline JPEGs, which the device
-decodes with nvJPEG on a stream of its own), make the PIL path's random draws from the same
-per-sample seeds and pack a batch into two tensors: its images side by side on one uint8 canvas, and
-every draw as numbers. The device cuts the crops of all views of one output size in one batched
-resize (`roi_align`), then colours, blurs and normalises them with per-sample parameters in tensor
-operations of fixed shapes. The draws, and so the crop geometry, are the PIL path's; the pixels
-differ by resampling and rounding. `Prefetched` cuts the next batch while the GPU computes.
-
-Optional: `common.py` never imports this file. A fork may delete it with the lines that call it
-(marked `# device_crops`) and `--batched_crops` goes with it.
+Loader workers read the images (on a GPU nvJPEG decodes baseline JPEGs, on a stream of its own),
+make the PIL path's draws from the same per-sample seeds, and pack a batch into two tensors: the
+images on one uint8 canvas, every draw as numbers. The device cuts all crops in one batched resize,
+then colours, blurs and normalises them in a fixed number of operations of fixed shapes; the
+geometry is the PIL path's, the pixels differ by resampling and rounding. Optional: a fork may
+delete this file with the lines marked `# device_crops`, and `--batched_crops` goes with it.
 """
 import contextlib
 import dataclasses
@@ -47,19 +43,21 @@ def add_args(parser):
 
 
 class BatchedCrops(common.SeededDataset):
-    """A `SeededDataset` whose batches are `UncroppedBatch`es, cut on the device by
-    `common.crops_on_device` (or `Prefetched`)."""
+    """A `SeededDataset` whose batches are `UncroppedBatch`es (cut by `crops_on_device`)."""
 
     def __init__(self, seeded, device):
         super().__init__(seeded.base, seeded.transform, seeded.seed)
         self.host_decoded = None  # files decoded by the workers, when the device decodes JPEGs
-        if torch.device(device).type == "cuda":
-            self.decode_jpegs_on_device()
+        folder = self.base
+        while isinstance(folder, torch.utils.data.Subset):  # --holdout
+            folder = folder.dataset
+        if torch.device(device).type == "cuda" and isinstance(folder, common.ImageFolderSafe):
+            folder.loader = read_jpeg_or_decode  # workers read JPEGs, the device decodes them
+            self.host_decoded = multiprocessing.Value("l", 0)
 
     collate = staticmethod(torch.utils.data.default_convert)  # the batch is made here
 
     def __getitems__(self, indices):
-        """((`UncroppedBatch`, None), labels) of a batch: the geometry comes with the crops."""
         pairs = [i if isinstance(i, tuple) else (i, self.epoch) for i in indices]
         images, labels = zip(*(self.base[i] for i, _ in pairs))
         pixels = [TF.pil_to_tensor(image.convert("RGB")) if isinstance(image, Image.Image)
@@ -72,20 +70,10 @@ class BatchedCrops(common.SeededDataset):
         with torch.random.fork_rng(devices=[], enabled=in_main_process):
             return draw_multicrop(self.transform, pixels, seeds), torch.tensor(labels)
 
-    def decode_jpegs_on_device(self):
-        """On a GPU: an image folder's workers read its JPEGs, the device decodes them
-        (`images_on_device`); the files they decode themselves are counted (`host_decoded`)."""
-        folder = self.base
-        while isinstance(folder, torch.utils.data.Subset):  # --holdout
-            folder = folder.dataset
-        if isinstance(folder, common.ImageFolderSafe):
-            folder.loader = read_jpeg_or_decode
-            self.host_decoded = multiprocessing.Value("l", 0)
-
 
 def host_decoded_images(dataset, device):
-    """Collective: {"host_decoded_images": n}, the files of all ranks that the loader workers
-    decoded as the device's decoder cannot read them; {} where the device decodes no JPEGs."""
+    """Collective: {"host_decoded_images": files the workers decoded}; {} if the device decodes
+    none."""
     if getattr(dataset, "host_decoded", None) is None:
         return {}
     count = torch.tensor([dataset.host_decoded.value], device=device)
@@ -94,129 +82,103 @@ def host_decoded_images(dataset, device):
 
 @dataclasses.dataclass
 class UncroppedBatch:
-    """A batch as a loader worker makes it (`draw_multicrop`): `canvas`, uint8 [3, H, W], every
-    image in a 1 px border of its edge pixels (the resize reads no neighbour); `pack`, float32,
-    every draw and geometry (`pack_draws`), one copy to the device; `jpegs`, the (`EncodedJpeg`,
-    top, left) the device decodes into the canvas; `shape`, plain numbers."""
+    """A worker's batch: every image in a 1 px border of its edges (the resize reads no neighbour)
+    on a uint8 canvas [3, H, W], the (`EncodedJpeg`, top, left) the device decodes into it, every
+    draw and geometry in one float32 `pack` (one copy), and the numbers to read it (`shape`)."""
     canvas: torch.Tensor
     pack: torch.Tensor
-    jpegs: list
     shape: dict
+    jpegs: list
 
     def cut(self, device):
-        """(crops, geometry) on `device` (`common.crops_on_device` calls it)."""
         threads = torch.get_num_threads()
-        if torch.device(device).type == "cpu":  # small operations: more threads only add
-            torch.set_num_threads(1)              # synchronisation (and contend with the loader)
+        if torch.device(device).type == "cpu":  # more threads only add synchronisation and
+            torch.set_num_threads(1)              # contend with the loader workers
         try:
             return multicrop_pixels(self, torch.device(device))
         finally:
             torch.set_num_threads(threads)
 
     def pin_memory(self):
-        """The DataLoader pins (on a GPU) the canvas and the draws; JPEG bytes go to nvJPEG."""
         return dataclasses.replace(self, canvas=self.canvas.pin_memory(),
                                    pack=self.pack.pin_memory())
 
 
 def draw_multicrop(augment, images, seeds):
-    """The loader worker's half: (`UncroppedBatch`, None) of images [3, H, W] (any sizes) or
-    `EncodedJpeg`s, with the PIL path's draws from each image's seed."""
+    """(`UncroppedBatch`, None) of uint8 images [3, H, W] or `EncodedJpeg`s, with the PIL path's
+    draws from each image's seed (the geometry comes with the crops)."""
+    sizes = [(i.height, i.width) if isinstance(i, EncodedJpeg) else tuple(i.shape[1:])
+             for i in images]
     draws = []
-    heights_widths = [image_size(image) for image in images]
-    for (height, width), seed in zip(heights_widths, seeds):
+    for (height, width), seed in zip(sizes, seeds):
         torch.default_generator.manual_seed(seed)
         draws.append([draw_crop(height, width, scale, photometric)
                       for _, scale, photometric in augment.plan()])
-    corners, canvas_size = place(heights_widths)
-    canvas = torch.zeros(3, *canvas_size, dtype=torch.uint8)
-    jpegs = []
-    for image, (top, left) in zip(images, corners):
-        if isinstance(image, EncodedJpeg):
-            jpegs.append((image, top, left))
-        else:
-            bordered = F.pad(image[None], (1, 1, 1, 1), mode="replicate")[0]
-            canvas[:, top:top + bordered.shape[1], left:left + bordered.shape[2]] = bordered
-    pack, shape = pack_draws(augment, draws, heights_widths, corners)
-    return UncroppedBatch(canvas, pack, jpegs, shape), None
-
-
-def place(heights_widths):
-    """The top-left corner of each image with its border on one canvas, in shelves of the
-    tallest first (little padding), and the canvas's (height, width)."""
-    sizes = [(h + 2, w + 2) for h, w in heights_widths]
-    width = max(max(w for _, w in sizes), math.isqrt(sum(h * w for h, w in sizes)) + 1)
+    bordered = [(h + 2, w + 2) for h, w in sizes]  # shelves of the tallest first: little padding
+    width = max(max(w for _, w in bordered), math.isqrt(sum(h * w for h, w in bordered)) + 1)
     corners = [None] * len(sizes)
     x = y = shelf = 0
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i][0]):
-        if x + sizes[i][1] > width:
+    for i in sorted(range(len(sizes)), key=lambda i: -bordered[i][0]):
+        if x + bordered[i][1] > width:
             y += shelf
             x = shelf = 0
         corners[i] = (y, x)
-        x += sizes[i][1]
-        shelf = max(shelf, sizes[i][0])
-    return corners, (y + shelf, width)
+        x += bordered[i][1]
+        shelf = max(shelf, bordered[i][0])
+    canvas = torch.zeros(3, y + shelf, width, dtype=torch.uint8)
+    for image, (top, left) in zip(images, corners):
+        if torch.is_tensor(image):
+            canvas[:, top:top + image.shape[1] + 2, left:left + image.shape[2] + 2] = F.pad(
+                image[None], (1, 1, 1, 1), mode="replicate")[0]
+    jpegs = [(i, *c) for i, c in zip(images, corners) if isinstance(i, EncodedJpeg)]
+    return UncroppedBatch(canvas, *pack_draws(augment, draws, sizes, corners), jpegs), None
 
 
-def pack_draws(augment, draws, heights_widths, corners):
-    """Every draw as one float32 tensor and the shapes to read it. The crops of one output size
-    are cut as tiles of the sizes' common divisor, so that one `roi_align` cuts them all and the
-    colour operations see one tensor [tiles, 3, pixels]; `multicrop_pixels` reads the parts."""
+def pack_draws(augment, draws, image_sizes, corners):
+    """Every draw in one float32 tensor, and the numbers to read it. Crops are cut as square
+    tiles (of the crop sizes' common divisor): one `roi_align` cuts all, the colour operations
+    see one tensor [tiles, 3, pixels], each tile with its crop's parameters."""
     plan = augment.plan()
     sizes = [size for size, _, _ in plan]
     groups = sorted(set(sizes), key=sizes.index)
     tile = math.gcd(*sizes)
-    crops = [(k, n) for size in groups for k in range(len(plan)) if sizes[k] == size
-             for n in range(len(draws))]
-    rois, tiles, scalars, hue, gray, coef, threshold = [], [], [], [], [], [], []
-    for m, (k, n) in enumerate(crops):
-        d, side = draws[n][k], sizes[k] // tile
-        top, left, h, w = d["box"]
-        top, left = top + corners[n][0] + 1, left + corners[n][1] + 1
-        for ty in range(side):
-            for tx in range(side):
-                sx = side - 1 - tx if d["flip"] else tx
-                rois.append([0, left + sx * w / side, top + ty * h / side,
-                             left + (sx + 1) * w / side, top + (ty + 1) * h / side])
-        tiles += [m] * side ** 2
-        scalars.append(jitter_slots(d["jitter"], sizes[k]) + [float(d["flip"])])
-        shift = d["jitter"][1][3] if d["jitter"] else 0.0
-        hue.append([5 + 6 * shift, 3 + 6 * shift, 1 + 6 * shift])  # HSV -> RGB phases
-        gray.append(np.outer(np.ones(3), LUMA) if d["gray"] else np.eye(3))
-        coef.append(-0.5 / d["blur"] ** 2 if d["blur"] else -1e9)  # exp(-1e9 k^2): no blur
-        threshold.append(128.0 if d["solarize"] else 256.0)
-    repeat = np.asarray(tiles)
     radius = int(3 * max(t.sigma[1] for _, _, p in plan for t in p.transforms
                          if isinstance(t, common.RandomGaussianBlur))) + 1
-    weights = np.exp(np.asarray(coef)[:, None] * np.arange(-radius, radius + 1) ** 2)
-    weights = np.repeat(weights / weights.sum(1, keepdims=True), 3, axis=0)  # each channel
+    rois, tiles, per_crop, weights, solarize = [], [], [], [], []
+    geometry = np.zeros((len(plan), len(draws), 7), np.float32)
+    for m, (k, n) in enumerate((k, n) for g in groups for k in range(len(plan)) if sizes[k] == g
+                               for n in range(len(draws))):
+        d, side, (height, width) = draws[n][k], sizes[k] // tile, image_sizes[n]
+        top, left, h, w = d["box"]
+        geometry[k, n] = [left / width, top / height, w / width, h / height, d["flip"], width,
+                          height]  # float64 rounded to float32, as the PIL path's
+        for ty, tx in np.ndindex(side, side):
+            x = left + corners[n][1] + 1 + (side - 1 - tx if d["flip"] else tx) * w / side
+            y = top + corners[n][0] + 1 + ty * h / side  # a mirrored crop: its tiles' order
+            rois.append([0, x, y, x + w / side, y + h / side])
+        tiles += [m] * side ** 2
+        shift = 6 * d["jitter"][1][3] if d["jitter"] else 0.0
+        per_crop.append([*jitter_slots(d["jitter"], sizes[k]), d["flip"], 5 + shift, 3 + shift,
+                         1 + shift, *(np.outer(np.ones(3), LUMA) if d["gray"] else np.eye(3)).flat])
+        sigma = np.exp(-0.5 * np.arange(-radius, radius + 1) ** 2 / (d["blur"] or 1e-4) ** 2)
+        weights += [sigma / sigma.sum()] * 3  # no blur: the identity
+        solarize.append(128 if d["solarize"] else 256)
+    per_tile = np.asarray(per_crop, np.float64)[tiles]
     std = np.asarray(augment.std)
-    sizes_hw = np.asarray([[w, h] for h, w in heights_widths], dtype=np.float64)
-    geometry = []
-    for k in range(len(plan)):
-        top, left, h, w = np.asarray([draws[n][k]["box"] for n in range(len(draws))]).T
-        geometry.append(np.stack([left / sizes_hw[:, 0], top / sizes_hw[:, 1], w / sizes_hw[:, 0],
-                                  h / sizes_hw[:, 1], [draws[n][k]["flip"] for n in
-                                                       range(len(draws))],
-                                  *sizes_hw.T], 1).astype(np.float32))  # as the PIL path rounds
-    parts = [np.asarray(rois), np.asarray(scalars)[repeat].T, np.asarray(hue)[repeat],
-             np.asarray(gray)[repeat], repeat, weights, np.asarray(threshold),
-             np.stack(geometry), np.concatenate([LUMA, [0, 1, -1, -1, 0, 1, 1, -1, 0],
-                                                 1 / (255 * std), -np.asarray(augment.mean) / std])]
+    parts = [np.asarray(rois), per_tile[:, :4 * SLOTS + 1].T, per_tile[:, 4 * SLOTS + 1:],
+             np.asarray(tiles), np.asarray(weights), np.asarray(solarize), geometry,
+             np.concatenate([LUMA, [0, 1, -1, -1, 0, 1, 1, -1, 0], 1 / (255 * std),
+                             -np.asarray(augment.mean) / std])]  # HSV phases; normalisation
     pack = torch.from_numpy(np.concatenate([p.astype(np.float32).ravel() for p in parts]))
     return pack, dict(split=[p.size for p in parts], tile=tile, tiles=len(tiles),
-                      groups=[(size, sizes.count(size)) for size in groups],
-                      views=[groups.index(size) for size in sizes], n=len(draws),
-                      crops=len(crops), radius=radius,
-                      group_crops=[len(draws) * sizes.count(size) for size in groups],
-                      group_tiles=[len(draws) * sizes.count(size) * (size // tile) ** 2
-                                   for size in groups])
+                      n=len(draws), radius=radius, groups=[(g, sizes.count(g)) for g in groups],
+                      views=[groups.index(size) for size in sizes],
+                      group_tiles=[len(draws) * sizes.count(g) * (g // tile) ** 2 for g in groups])
 
 
 def jitter_slots(jitter, size):
-    """(factor, saturation weight, contrast weight, offset) of each of the `SLOTS` blends of a
-    crop: its blends before the hue fill the first three slots from the end, those after it the
-    last three from the start; an empty slot rounds (its input may be off a level by a hair)."""
+    """(factor, saturation, contrast, offset) of a crop's `SLOTS` blends: those before its hue end
+    at slot 3, those after it start there; an empty slot rounds (its input may be off a hair)."""
     slots = [[1.0, 0.0, 0.0, 0.5] for _ in range(SLOTS)]
     if jitter is not None:
         order, factors = jitter
@@ -228,31 +190,37 @@ def jitter_slots(jitter, size):
 
 
 def multicrop_pixels(batch, device):
-    """The training device's half: (crops, geometry) of an `UncroppedBatch`, in a fixed number of
-    operations whatever the images or draws (tests/test_batched_crops.py counts them)."""
+    """(crops, geometry) of an `UncroppedBatch`, in as many operations whatever the batch."""
     s = batch.shape
     pack = batch.pack.to(device, non_blocking=True)
-    canvas = canvas_on_device(batch, device).float()
-    rois, scalars, hue, gray, tiles, weights, threshold, geometry, const = pack.split(s["split"])
+    canvas = batch.canvas.to(device, non_blocking=True)
+    for image, (_, top, left) in zip(images_on_device([j for j, _, _ in batch.jpegs], device),
+                                     batch.jpegs):  # one copy each: the decoder's own tensors
+        canvas[:, top:top + image.shape[1] + 2, left:left + image.shape[2] + 2] = F.pad(
+            image[None], (1, 1, 1, 1), mode="replicate")[0]
+    canvas = canvas.float()
+    rois, scalars, matrices, tiles, weights, threshold, geometry, const = pack.split(s["split"])
     luma, mix, scale, shift = const.split([3, 9, 3, 3])
     scalars = scalars.view(-1, s["tiles"], 1, 1).unbind(0)
+    hue, gray = matrices.view(s["tiles"], 12, 1).split([3, 9], 1)
     t = s["tile"]
     x = roi_align(canvas[None], rois.view(-1, 5), t, 1.0, 0, True)  # the antialiased resize
     x = torch.where(scalars[-1][..., None] > 0, x.flip(-1), x).view(-1, 3, t * t)
     tiles = tiles.long()
     luma = luma.expand(s["tiles"], 1, 3)
-    zeros = pack.new_zeros(s["crops"], 1, 1)
+    zeros = pack.new_zeros(s["n"] * len(s["views"]), 1, 1)
     blends = [scalars[4 * j:4 * j + 4] for j in range(SLOTS)]
     for slot in blends[:3]:
         x = blend(x, slot, luma, tiles, zeros)
-    x = shift_hue(x, hue.view(-1, 3, 1), mix.view(1, 3, 3).expand(s["tiles"], 3, 3))
+    x = shift_hue(x, hue, mix.view(1, 3, 3).expand(s["tiles"], 3, 3))
     for slot in blends[3:]:
         x = blend(x, slot, luma, tiles, zeros)
     x = torch.bmm(gray.view(-1, 3, 3), x)  # grayscale or not
     crops = []
-    weights = weights.view(-1, 1, 2 * s["radius"] + 1, 1).split([3 * n for n in s["group_crops"]])
+    group_crops = [s["n"] * count for _, count in s["groups"]]
+    weights = weights.view(-1, 1, 2 * s["radius"] + 1, 1).split([3 * n for n in group_crops])
     parts = zip(s["groups"], x.split(s["group_tiles"]), weights,
-                threshold.view(-1, 1, 1, 1).split(s["group_crops"]))
+                threshold.view(-1, 1, 1, 1).split(group_crops))
     for (size, count), y, w, solarize in parts:
         side = size // t
         y = y.view(-1, side, side, 3, t, t).permute(0, 3, 1, 4, 2, 5).reshape(1, -1, size, size)
@@ -270,8 +238,8 @@ def multicrop_pixels(batch, device):
 
 
 def blend(x, slot, luma, tiles, zeros):
-    """One colour jitter slot on tiles [K, 3, L] of levels: f x + s gray + c (sum of the crop's
-    gray) + offset, clipped and truncated as PIL's blends; (1, 0, 0, 0.5) rounds."""
+    """A jitter slot: f x + s gray + c (the crop's sum of gray) + offset, clipped and truncated as
+    PIL's blends, on tiles [K, 3, L] of levels."""
     f, saturation, contrast, offset = slot
     gray = torch.bmm(luma, x)  # a 1x1 convolution is slower on a CPU
     sums = zeros.index_add(0, tiles, gray.sum(-1, keepdim=True))
@@ -280,8 +248,8 @@ def blend(x, slot, luma, tiles, zeros):
 
 
 def shift_hue(x, phases, mix):
-    """torchvision's adjust_hue per tile (HSV): the hexagonal hue read from the largest channel
-    (`mix` gives each channel's next minus previous), shifted by `phases` (5, 3, 1 + 6 shift)."""
+    """adjust_hue (HSV) per tile: the hue from the largest channel (`mix`: next minus previous
+    channel), shifted by `phases` (5, 3, 1 + 6 shift)."""
     top, channel = x.max(1, keepdim=True)
     chroma = top - x.amin(1, keepdim=True)
     hue = torch.bmm(mix, x).gather(1, channel) / chroma.clamp_min(1e-6)
@@ -290,16 +258,15 @@ def shift_hue(x, phases, mix):
 
 
 def blur(y, weights, radius):
-    """Each crop's Gaussian [1, 3n, S, S] (PIL extends the edges), one separable pass each way."""
+    """Each crop's Gaussian [1, 3n, S, S], edges extended as PIL's, one pass each way."""
     y = F.pad(y, (radius,) * 4, mode="replicate")
     y = F.conv2d(y, weights, groups=len(weights))
     return F.conv2d(y, weights.transpose(2, 3), groups=len(weights))
 
 
 class Prefetched:
-    """A loader whose `UncroppedBatch`es come cut: on a GPU batch n + 1 is decoded and cut on a
-    side stream while step n computes, then handed over (`wait_stream`, `record_stream`); on a
-    CPU each is cut in line when asked for. Anything else is the loader's."""
+    """The loader, its batches cut: on a GPU batch n + 1 on a side stream while step n computes
+    (handed over by `on_stream`); on a CPU in line. Anything else is the loader's."""
 
     def __init__(self, loader, device):
         self.loader = loader
@@ -312,48 +279,32 @@ class Prefetched:
         return getattr(self.loader, name)
 
     def __iter__(self):
-        side = stream(self.device, "crops")
-        ready = None
+        ready = []
         for views, labels in self.loader:
-            with torch.cuda.stream(side) if side else contextlib.nullcontext():
-                batch = (common.crops_on_device(views, self.device), labels)
-            if side is None:
-                yield batch
-                continue
-            if ready is not None:
-                yield hand_over(ready, side)
-            ready = batch
-        if ready is not None:
-            yield hand_over(ready, side)
+            with side_stream(self.device, "crops"):
+                ready.append((common.crops_on_device(views, self.device), labels))
+            if self.device.type != "cuda" or len(ready) == 2:
+                yield hand_over(ready.pop(0), self.device, "crops")
+        yield from (hand_over(batch, self.device, "crops") for batch in ready)
 
 
-def stream(device, role):
-    """The side stream `role` of a CUDA device (made once); None elsewhere: the work runs in line."""
+def side_stream(device, role):
+    """Work queued on the CUDA device's side stream `role` (one each); elsewhere in line."""
     if device.type != "cuda":
-        return None
-    return _STREAMS.setdefault((device, role), torch.cuda.Stream(device))
+        return contextlib.nullcontext()
+    return torch.cuda.stream(_STREAMS.setdefault((device, role), torch.cuda.Stream(device)))
 
 
-def hand_over(batch, side):
-    """The current stream waits for `side`'s work on `batch`, whose tensors are recorded on it
-    (their memory is not reused while it reads them)."""
-    current = torch.cuda.current_stream(side.device)
-    current.wait_stream(side)
-    (crops, geometry), _labels = batch
-    for tensor in [*crops, *(v for g in geometry for v in g.values())]:
-        tensor.record_stream(current)
-    return batch
-
-
-def canvas_on_device(batch, device):
-    """The canvas on `device`, with the JPEGs that device decodes (`images_on_device`) put in
-    their places, each in its border (one copy each: the decoder gives one tensor per file)."""
-    canvas = batch.canvas.to(device, non_blocking=True)
-    decoded = images_on_device([jpeg for jpeg, _, _ in batch.jpegs], device)
-    for image, (_, top, left) in zip(decoded, batch.jpegs):
-        bordered = F.pad(image[None], (1, 1, 1, 1), mode="replicate")[0]
-        canvas[:, top:top + bordered.shape[1], left:left + bordered.shape[2]] = bordered
-    return canvas
+def hand_over(out, device, role):
+    """`out`, made on the side stream `role`: the current stream waits for it, and its tensors
+    are recorded there (their memory is not reused while it reads them)."""
+    if device.type == "cuda":
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(_STREAMS[device, role])
+        for x in torch.utils._pytree.tree_leaves(out):
+            if torch.is_tensor(x) and x.device == device:
+                x.record_stream(current)
+    return out
 
 
 @dataclasses.dataclass
@@ -363,13 +314,6 @@ class EncodedJpeg:
     height: int  # from its header
     width: int
     path: str
-
-
-def image_size(image):
-    """(height, width) of a uint8 [3, H, W] image or an `EncodedJpeg`."""
-    if isinstance(image, EncodedJpeg):
-        return image.height, image.width
-    return tuple(image.shape[1:])
 
 
 def read_jpeg_or_decode(path):
@@ -388,29 +332,18 @@ def read_jpeg_or_decode(path):
 
 def images_on_device(jpegs, device):
     """`EncodedJpeg`s decoded on `device` in one call (batched by nvJPEG on a GPU); a file that
-    decoder refuses is decoded by PIL, with a warning naming it. On a GPU the decoder runs on a
-    stream of its own that runs nothing else: torchvision's decoder allocates its outputs on the
-    caller's stream but writes them from a private stream that waits for none of the caller's
-    queued work (pytorch/vision#9606), so memory that queued kernels still read could be written.
-    The current stream waits for the decode, and the images are recorded on it."""
+    decoder refuses is decoded by PIL, with a warning. On a stream that runs nothing else:
+    torchvision's decoder allocates on the current stream but writes from a private one that waits
+    for none of its queued work (pytorch/vision#9606): memory that queued kernels read."""
     device = torch.device(device)
-    if not jpegs:
-        return []
-    side = stream(device, "decode")
-    with torch.cuda.stream(side) if side else contextlib.nullcontext(), \
-            warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (TorchCodec)
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with side_stream(device, "decode"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29: use TorchCodec
         try:
             decoded = tv_io.decode_jpeg([jpeg.data for jpeg in jpegs], device=device,
-                                        mode=tv_io.ImageReadMode.RGB)
+                                        mode=tv_io.ImageReadMode.RGB) if jpegs else []
         except RuntimeError:  # one file it cannot read stops the batched call: each alone
             decoded = [decode_jpeg_or_warn(jpeg, device) for jpeg in jpegs]
-    if side is not None:
-        current = torch.cuda.current_stream(device)
-        current.wait_stream(side)
-        for image in decoded:
-            image.record_stream(current)
-    return decoded
+    return hand_over(decoded, device, "decode")
 
 
 def decode_jpeg_or_warn(jpeg, device):
