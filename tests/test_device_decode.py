@@ -51,7 +51,7 @@ def folder(tmp_path_factory):
 
 
 def batch(folder, on_device):
-    """(`UncroppedBatch`, geometry) of the whole folder, epoch 0, and the dataset."""
+    """(`UncroppedBatch`, None) of the whole folder, epoch 0, and the dataset."""
     augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=16,
                                            local_crop_size=8)
     seeded = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3)
@@ -66,13 +66,13 @@ def names(dataset):
 
 def test_workers_hand_baseline_jpegs_over_and_decode_the_rest(folder):
     (uncropped, _geometry), dataset = batch(folder, on_device=True)
-    kinds = dict(zip(names(dataset), (type(image).__name__ for image in uncropped.images)))
-    assert kinds == {**{n: "EncodedJpeg" for n in DEVICE_DECODED},
-                     **{n: "Tensor" for n in WORKER_DECODED}}
+    root = dataset.base.root
+    assert sorted(Path(j.path).relative_to(root).as_posix() for j, _, _ in uncropped.jpegs) == \
+        DEVICE_DECODED  # the others are on the canvas
     assert dataset.host_decoded.value == len(WORKER_DECODED)
     assert device_crops.host_decoded_images(dataset, torch.device("cpu")) == {
         "host_decoded_images": len(WORKER_DECODED)}
-    jpeg = uncropped.images[0]
+    jpeg = uncropped.jpegs[0][0]
     with Image.open(jpeg.path) as image:
         assert (jpeg.width, jpeg.height) == image.size
     assert jpeg.data.dtype == torch.uint8 and jpeg.data.dim() == 1
@@ -85,16 +85,17 @@ def test_without_device_decoding_nothing_is_counted(folder):
 
 
 def test_the_device_decoded_batch_is_the_pil_decoded_one(folder):
-    (pil, pil_geometry), _ = batch(folder, on_device=False)
-    (device, device_geometry), _ = batch(folder, on_device=True)
-    decoded = device_crops.images_on_device(device.images, torch.device("cpu"))
-    for a, b in zip(pil.images, decoded):
-        assert a.shape == b.shape and (a.int() - b.int()).abs().max() <= 1  # libjpeg builds
-    assert device.views == pil.views
+    (pil, _), _ = batch(folder, on_device=False)
+    (device, _), dataset = batch(folder, on_device=True)
+    decoded = device_crops.images_on_device([j for j, _, _ in device.jpegs], torch.device("cpu"))
+    for image, (jpeg, _, _) in zip(decoded, device.jpegs, strict=True):
+        pixels = TF.pil_to_tensor(common.load_image(jpeg.path))
+        assert image.shape == pixels.shape and (image.int() - pixels.int()).abs().max() <= 1
+    assert torch.equal(device.pack, pil.pack) and device.shape == pil.shape  # the same draws
+    crops_pil, pil_geometry = common.crops_on_device((pil, None), torch.device("cpu"))
+    crops_device, device_geometry = common.crops_on_device((device, None), torch.device("cpu"))
     for a, b in zip(pil_geometry, device_geometry):
         assert all(torch.equal(a[key], b[key]) for key in a)
-    crops_pil, _ = common.crops_on_device((pil, pil_geometry), torch.device("cpu"))
-    crops_device, _ = common.crops_on_device((device, device_geometry), torch.device("cpu"))
     for a, b in zip(crops_pil, crops_device):
         assert (a - b).abs().mean() * 255 < 0.1  # 1 level of 255 at most where libjpegs differ
 
@@ -102,7 +103,8 @@ def test_the_device_decoded_batch_is_the_pil_decoded_one(folder):
 def test_a_file_the_device_decoder_refuses_is_decoded_by_pil_with_a_warning(
         folder, monkeypatch, capsys):
     (uncropped, _), _dataset = batch(folder, on_device=True)
-    refused = uncropped.images[1]
+    jpegs = [jpeg for jpeg, _, _ in uncropped.jpegs]
+    refused = jpegs[1]
     decode = device_crops.tv_io.decode_jpeg
 
     def decode_jpeg(data, **kwargs):
@@ -110,7 +112,7 @@ def test_a_file_the_device_decoder_refuses_is_decoded_by_pil_with_a_warning(
             raise RuntimeError("nvjpegDecodeBatched failed: 3\nmore lines")
         return decode(data, **kwargs)
     monkeypatch.setattr(device_crops.tv_io, "decode_jpeg", decode_jpeg)
-    images = device_crops.images_on_device(uncropped.images, torch.device("cpu"))
+    images = device_crops.images_on_device(jpegs, torch.device("cpu"))
     assert torch.equal(images[1], TF.pil_to_tensor(common.load_image(refused.path)))
     out = capsys.readouterr().out
     assert out.count("warning:") == 1
