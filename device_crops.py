@@ -1,17 +1,14 @@
-"""`--batched_crops`: DINO's multi-crop cut on the training device, for speed only.
-
-Loader workers read the images (on a GPU nvJPEG decodes baseline JPEGs, on a stream of its own),
-make the PIL path's draws from the same per-sample seeds, and pack a batch into two tensors: the
-images on one uint8 canvas, every draw as numbers. The device cuts all crops in one batched resize,
-then colours, blurs and normalises them in a fixed number of operations of fixed shapes; the
-geometry is the PIL path's, the pixels differ by resampling and rounding. Optional: a fork may
-delete this file with the lines marked `# device_crops`, and `--batched_crops` goes with it.
-"""
+"""`--batched_crops`: DINO's multi-crop cut on the training device, for speed only. Loader
+workers read the images (nvJPEG decodes JPEGs on a GPU) and make the PIL path's draws; the device
+cuts, colours, blurs and normalises all crops in a fixed number of batched operations: the PIL
+path's geometry, its pixels within `TOLERANCE`. Optional: delete it with the lines marked
+`# device_crops`, and `--batched_crops` goes with it."""
 import contextlib
 import dataclasses
 import io
 import math
 import multiprocessing
+import typing
 import warnings
 from pathlib import Path
 
@@ -72,19 +69,16 @@ class BatchedCrops(common.SeededDataset):
 
 
 def host_decoded_images(dataset, device):
-    """Collective: {"host_decoded_images": files the workers decoded}; {} if the device decodes
-    none."""
+    """Collective: {"host_decoded_images": files workers decoded}; {} if the device decodes none."""
     if getattr(dataset, "host_decoded", None) is None:
         return {}
     count = torch.tensor([dataset.host_decoded.value], device=device)
     return {"host_decoded_images": int(common.all_reduce_sum(count).item())}
 
 
-@dataclasses.dataclass
-class UncroppedBatch:
-    """A worker's batch: every image in a 1 px border of its edges (the resize reads no neighbour)
-    on a uint8 canvas [3, H, W], the (`EncodedJpeg`, top, left) the device decodes into it, every
-    draw and geometry in one float32 `pack` (one copy), and the numbers to read it (`shape`)."""
+class UncroppedBatch(typing.NamedTuple):  # the DataLoader pins its tensors (on a GPU)
+    """A worker's batch: images in 1 px borders of their edges on a uint8 canvas, every draw in
+    one float32 `pack` and its `shape`, the (`EncodedJpeg`, top, left) the device decodes."""
     canvas: torch.Tensor
     pack: torch.Tensor
     shape: dict
@@ -99,14 +93,10 @@ class UncroppedBatch:
         finally:
             torch.set_num_threads(threads)
 
-    def pin_memory(self):
-        return dataclasses.replace(self, canvas=self.canvas.pin_memory(),
-                                   pack=self.pack.pin_memory())
-
 
 def draw_multicrop(augment, images, seeds):
-    """(`UncroppedBatch`, None) of uint8 images [3, H, W] or `EncodedJpeg`s, with the PIL path's
-    draws from each image's seed (the geometry comes with the crops)."""
+    """(`UncroppedBatch`, None: the geometry comes with the crops) of images [3, H, W] or
+    `EncodedJpeg`s, with the PIL path's draws from each image's seed."""
     sizes = [(i.height, i.width) if isinstance(i, EncodedJpeg) else tuple(i.shape[1:])
              for i in images]
     draws = []
@@ -135,9 +125,8 @@ def draw_multicrop(augment, images, seeds):
 
 
 def pack_draws(augment, draws, image_sizes, corners):
-    """Every draw in one float32 tensor, and the numbers to read it. Crops are cut as square
-    tiles (of the crop sizes' common divisor): one `roi_align` cuts all, the colour operations
-    see one tensor [tiles, 3, pixels], each tile with its crop's parameters."""
+    """Every draw in one float32 tensor, and its shape. Crops are cut in square tiles (the sizes'
+    common divisor), so one `roi_align` cuts all, colours see one tensor [tiles, 3, pixels]."""
     plan = augment.plan()
     sizes = [size for size, _, _ in plan]
     groups = sorted(set(sizes), key=sizes.index)
@@ -158,7 +147,12 @@ def pack_draws(augment, draws, image_sizes, corners):
             rois.append([0, x, y, x + w / side, y + h / side])
         tiles += [m] * side ** 2
         shift = 6 * d["jitter"][1][3] if d["jitter"] else 0.0
-        per_crop.append([*jitter_slots(d["jitter"], sizes[k]), d["flip"], 5 + shift, 3 + shift,
+        slots = [[1.0, 0.0, 0.0, 0.5] for _ in range(SLOTS)]  # an empty slot rounds
+        order, factors = d["jitter"] or ([3], [])  # blends before the hue end at slot 3
+        for slot, op in zip([*range(3 - order.index(3), 6)], [o for o in order if o != 3]):
+            f = factors[op]  # factor, saturation and contrast weights, offset
+            slots[slot] = [f, (1 - f) * (op == 2), (1 - f) / sizes[k] ** 2 * (op == 1), 0.0]
+        per_crop.append([*np.ravel(slots), d["flip"], 5 + shift, 3 + shift,
                          1 + shift, *(np.outer(np.ones(3), LUMA) if d["gray"] else np.eye(3)).flat])
         sigma = np.exp(-0.5 * np.arange(-radius, radius + 1) ** 2 / (d["blur"] or 1e-4) ** 2)
         weights += [sigma / sigma.sum()] * 3  # no blur: the identity
@@ -174,19 +168,6 @@ def pack_draws(augment, draws, image_sizes, corners):
                       n=len(draws), radius=radius, groups=[(g, sizes.count(g)) for g in groups],
                       views=[groups.index(size) for size in sizes],
                       group_tiles=[len(draws) * sizes.count(g) * (g // tile) ** 2 for g in groups])
-
-
-def jitter_slots(jitter, size):
-    """(factor, saturation, contrast, offset) of a crop's `SLOTS` blends: those before its hue end
-    at slot 3, those after it start there; an empty slot rounds (its input may be off a hair)."""
-    slots = [[1.0, 0.0, 0.0, 0.5] for _ in range(SLOTS)]
-    if jitter is not None:
-        order, factors = jitter
-        q = order.index(3)
-        for slot, op in zip([*range(3 - q, 3), *range(3, 6)], [*order[:q], *order[q + 1:]]):
-            f = factors[op]
-            slots[slot] = [f, (1 - f) * (op == 2), (1 - f) / size ** 2 * (op == 1), 0.0]
-    return [value for slot in slots for value in slot]
 
 
 def multicrop_pixels(batch, device):
@@ -224,7 +205,8 @@ def multicrop_pixels(batch, device):
     for (size, count), y, w, solarize in parts:
         side = size // t
         y = y.view(-1, side, side, 3, t, t).permute(0, 3, 1, 4, 2, 5).reshape(1, -1, size, size)
-        y = blur(y, w, s["radius"]).view(-1, 3, size, size).round()
+        y = F.conv2d(F.pad(y, (s["radius"],) * 4, mode="replicate"), w, groups=len(w))
+        y = F.conv2d(y, w.transpose(2, 3), groups=len(w)).view(-1, 3, size, size).round()
         y = torch.where(y >= solarize, 255 - y, y)
         y = torch.addcmul(shift.view(1, 3, 1, 1), y, scale.view(1, 3, 1, 1))
         crops.append(y.view(count, s["n"], 3, size, size).unbind(0))
@@ -238,8 +220,7 @@ def multicrop_pixels(batch, device):
 
 
 def blend(x, slot, luma, tiles, zeros):
-    """A jitter slot: f x + s gray + c (the crop's sum of gray) + offset, clipped and truncated as
-    PIL's blends, on tiles [K, 3, L] of levels."""
+    """f x + s gray + c (the crop's gray summed) + offset, clipped and truncated as PIL's."""
     f, saturation, contrast, offset = slot
     gray = torch.bmm(luma, x)  # a 1x1 convolution is slower on a CPU
     sums = zeros.index_add(0, tiles, gray.sum(-1, keepdim=True))
@@ -248,8 +229,7 @@ def blend(x, slot, luma, tiles, zeros):
 
 
 def shift_hue(x, phases, mix):
-    """adjust_hue (HSV) per tile: the hue from the largest channel (`mix`: next minus previous
-    channel), shifted by `phases` (5, 3, 1 + 6 shift)."""
+    """adjust_hue (HSV) per tile: the hue from the largest channel, shifted by `phases`."""
     top, channel = x.max(1, keepdim=True)
     chroma = top - x.amin(1, keepdim=True)
     hue = torch.bmm(mix, x).gather(1, channel) / chroma.clamp_min(1e-6)
@@ -257,20 +237,12 @@ def shift_hue(x, phases, mix):
     return torch.addcmul(top, chroma, torch.minimum(k, 4 - k).clamp(0, 1), value=-1)
 
 
-def blur(y, weights, radius):
-    """Each crop's Gaussian [1, 3n, S, S], edges extended as PIL's, one pass each way."""
-    y = F.pad(y, (radius,) * 4, mode="replicate")
-    y = F.conv2d(y, weights, groups=len(weights))
-    return F.conv2d(y, weights.transpose(2, 3), groups=len(weights))
-
-
+@dataclasses.dataclass
 class Prefetched:
-    """The loader, its batches cut: on a GPU batch n + 1 on a side stream while step n computes
-    (handed over by `on_stream`); on a CPU in line. Anything else is the loader's."""
-
-    def __init__(self, loader, device):
-        self.loader = loader
-        self.device = torch.device(device)
+    """The loader, its batches cut: on a GPU batch n + 1 on a side stream while step n computes;
+    on a CPU in line."""
+    loader: torch.utils.data.DataLoader
+    device: torch.device
 
     def __len__(self):
         return len(self.loader)
@@ -296,8 +268,8 @@ def side_stream(device, role):
 
 
 def hand_over(out, device, role):
-    """`out`, made on the side stream `role`: the current stream waits for it, and its tensors
-    are recorded there (their memory is not reused while it reads them)."""
+    """`out` of side stream `role`: the current stream waits, and records its tensors (their
+    memory is not reused while it reads them)."""
     if device.type == "cuda":
         current = torch.cuda.current_stream(device)
         current.wait_stream(_STREAMS[device, role])
@@ -317,9 +289,8 @@ class EncodedJpeg:
 
 
 def read_jpeg_or_decode(path):
-    """An image folder's loader when the device decodes (`SeededDataset.decode_jpegs_on_device`):
-    a whole (ending in its EOI marker) baseline 8-bit RGB JPEG as `EncodedJpeg`, read in about
-    0.1 ms; any other file (PNG, CMYK, grayscale, progressive) as `load_image` decodes it."""
+    """A whole (ending in EOI) baseline RGB JPEG as `EncodedJpeg`, read in about 0.1 ms; any
+    other file as `load_image` decodes it."""
     with contextlib.suppress(Exception):  # unreadable: `load_image` names the file
         data = Path(path).read_bytes()
         with Image.open(io.BytesIO(data)) as img:  # reads the header only
@@ -331,10 +302,9 @@ def read_jpeg_or_decode(path):
 
 
 def images_on_device(jpegs, device):
-    """`EncodedJpeg`s decoded on `device` in one call (batched by nvJPEG on a GPU); a file that
-    decoder refuses is decoded by PIL, with a warning. On a stream that runs nothing else:
-    torchvision's decoder allocates on the current stream but writes from a private one that waits
-    for none of its queued work (pytorch/vision#9606): memory that queued kernels read."""
+    """`EncodedJpeg`s decoded on `device` in one call, on a stream that runs nothing else: the
+    decoder allocates on the current stream but writes from its own, which waits for none of the
+    current one's queued work (pytorch/vision#9606)."""
     device = torch.device(device)
     with side_stream(device, "decode"), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29: use TorchCodec
@@ -347,7 +317,7 @@ def images_on_device(jpegs, device):
 
 
 def decode_jpeg_or_warn(jpeg, device):
-    """One `EncodedJpeg` decoded on `device`, or by PIL when the device's decoder refuses it."""
+    """One `EncodedJpeg` decoded on `device`, or by PIL (with a warning) if that refuses it."""
     try:
         return tv_io.decode_jpeg(jpeg.data, device=device, mode=tv_io.ImageReadMode.RGB)
     except RuntimeError as e:
@@ -358,17 +328,16 @@ def decode_jpeg_or_warn(jpeg, device):
 
 
 def draw_crop(height, width, scale, photometric):
-    """One crop's parameters, drawn as `crop_and_flip` and the `photometric` pipeline draw them."""
+    """One crop's parameters, drawn as `crop_and_flip` and `photometric` draw them."""
     empty = torch.empty(0, height, width)
     box = transforms.RandomResizedCrop.get_params(empty, list(scale), [3 / 4, 4 / 3])
     crop = dict(box=box, flip=bool(torch.rand(1).item() < 0.5), jitter=None, gray=False,
                 blur=None, solarize=False)
     for t in photometric.transforms:
-        if isinstance(t, transforms.RandomApply):  # the colour jitter
-            if not t.p < torch.rand(1).item():
-                j = t.transforms[0]
-                order, *factors = j.get_params(j.brightness, j.contrast, j.saturation, j.hue)
-                crop["jitter"] = (order.tolist(), factors)
+        if isinstance(t, transforms.RandomApply) and not t.p < torch.rand(1).item():  # jitter
+            j = t.transforms[0]
+            order, *factors = j.get_params(j.brightness, j.contrast, j.saturation, j.hue)
+            crop["jitter"] = (order.tolist(), factors)
         elif isinstance(t, transforms.RandomGrayscale):
             crop["gray"] = torch.rand(1).item() < t.p
         elif isinstance(t, common.RandomGaussianBlur):

@@ -223,9 +223,8 @@ def as_float(image):
 
 def one_slot(op, factors, x):
     """A blend slot's parameters [K, 1, 1] for tiles that are whole images [K, 3, L]."""
-    size = x.shape[-1] ** 0.5
-    slots = [device_crops.jitter_slots(([3, op, 0, 1], [f] * 3 + [0.0]), size)[12:16]
-             for f in factors]
+    pixels = x.shape[-1]
+    slots = [[f, (1 - f) * (op == 2), (1 - f) / pixels * (op == 1), 0.0] for f in factors]
     return [torch.tensor(column, dtype=torch.float32).view(-1, 1, 1) for column in zip(*slots)]
 
 
@@ -257,7 +256,7 @@ def loader_batches(batched, num_workers, n=16, prefetched=False):
     loader, sampler = common.make_loader(dataset, 8, num_workers=num_workers, seed=1)
     sampler.set_epoch(3)
     if prefetched:  # as the training scripts wrap it; on a CPU each batch is cut in line
-        loader = device_crops.Prefetched(loader, "cpu")
+        loader = device_crops.Prefetched(loader, torch.device("cpu"))
         assert len(loader) == 2 and loader.dataset is dataset
     return [(common.crops_on_device(views, "cpu"), labels) for views, labels in loader]
 
