@@ -318,7 +318,6 @@ def main(args):
                                  epoch, start_step, args, device)
         start_step = 0
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)  # all ranks
-        record.update(device_crops.host_decoded_images(dataset, device))  # device_crops
         common.append_log(args.output_dir, record)  # before the checkpoint
         save_checkpoints(student, teacher, optimizer, scaler, criterion,
                          epoch + 1, 0, args, dataset)

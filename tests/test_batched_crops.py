@@ -110,7 +110,7 @@ def pixel_differences(pil_crops, crops):
 
 
 def test_batched_pixels_agree_with_the_pil_path_on_natural_jpegs():
-    """The tolerance `--batched_crops` states (device_crops.TOLERANCE): on DINO's crops (2 x 224 +
+    """The tolerance `--batched_crops` states (its help): on DINO's crops (2 x 224 +
     8 x 96) of ImageNet-sized JPEGs (extras/perf/jpeg_folder.py's, 400-640 x 300-500 px), a mean
     |difference| of at most 2 levels of 255 and a 99th percentile of at most 8 (measured 1.5 and
     7; on smaller images, more of the local crops are enlarged: bilinear, not bicubic, samples),

@@ -302,12 +302,6 @@ def evaluate(part, result, out, form, figures):
         if figures[part.name] and figures.get(other):
             ratio = figures[part.name]["images_per_s"] / figures[other]["images_per_s"]
             text += f" ({ratio:.2f}x {what} epoch images/s)"
-        if part.name == "dino_jpeg_batched":  # on a GPU its JPEGs are nvJPEG's to decode
-            decoded = records(out / part.name)[-1].get("host_decoded_images")
-            text += ("; decoded by the loader workers (no GPU)" if decoded is None
-                     else f"; decoded by nvJPEG: all but {decoded} files")
-            if form != "cpu" and decoded != 0:
-                problems.append("on a GPU every file of the JPEG folder is decoded by nvJPEG")
     elif part.name == "dino_preempted":
         ckpt = checkpoint(out, part.name)
         text = (f"stopped by SIGTERM during step {part.preempt_at}, checkpoint at epoch "
