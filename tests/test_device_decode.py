@@ -4,7 +4,8 @@ decoding them (`read_jpeg_or_decode`), the training device decodes them in one c
 grayscale, progressive, 16-bit) is decoded by the workers as before, onto the batch's canvas. On
 a CPU both decoders give the PIL path's pixels, so the crops and their geometry are the
 PIL-decoded batch's. The decode on a stream of its own while a backward is queued: its CPU form,
-extras/perf/decode_check.py --device cpu (tests/test_gpu_check.py)."""
+extras/perf/decode_check.py --device cpu (below)."""
+import json
 import sys
 from pathlib import Path
 
@@ -139,3 +140,18 @@ def test_a_loader_on_a_gpu_hands_the_jpegs_over(folder, monkeypatch):
         handed_over += [Path(j.path).name for j, _, _ in views[0].jpegs]
         common.crops_on_device(views, torch.device("cpu"))
     assert sorted(handed_over) == sorted(Path(n).name for n in DEVICE_DECODED)  # 2 batches
+
+
+def test_the_decode_check_in_its_cpu_form(tmp_path, capsys):
+    """extras/perf/decode_check.py, the GPU check part that decodes while a backward is queued,
+    on the CPU: the same code path in line, the same pixels in every round, one JSON line."""
+    sys.path.insert(0, str(ROOT / "extras" / "perf"))
+    import decode_check
+    out = tmp_path / "decode_check.jsonl"
+    assert decode_check.main(["--device", "cpu", "--images", "6", "--size", "64", "--rounds", "2",
+                              "--width", "32", "--jpeg_cache", str(tmp_path / "jpegs"),
+                              "--out", str(out)]) == 0
+    assert "the same pixels in every round" in capsys.readouterr().out
+    line = json.loads(out.read_text())
+    assert line["changed_images_per_round"] == [0, 0] and line["images"] == 6
+    assert line["max_abs_diff_from_cpu_decoder"] == 0  # the same decoder, here
