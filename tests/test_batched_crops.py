@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageFilter
+from PIL import Image
 from torchvision.transforms import functional as TF
 
 ROOT = Path(__file__).resolve().parents[1]
