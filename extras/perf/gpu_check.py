@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import device_crops  # noqa: E402
 # the host-sync counter and the parts, in this file's folder (on sys.path when it runs as a script)
 from sync_counter import CUDA_SYNC, SyncCounter  # noqa: E402,F401
 from gpu_parts import ARCH, FORMS, Part, check_commands, plan  # noqa: E402,F401
@@ -115,8 +116,9 @@ def run_part(part, rank, port, out):
         module = importlib.import_module(part.script)
         if hasattr(module, "train_one_epoch"):
             train = module.train_one_epoch
+            loaders = (torch.utils.data.DataLoader, device_crops.Prefetched)  # batched crops
             module.train_one_epoch = lambda *a, **k: train(*[clocked(x, probe) if isinstance(
-                x, torch.utils.data.DataLoader) else x for x in a], **k)
+                x, loaders) else x for x in a], **k)
         common.run_script(module.main, module.get_args_parser(), part.argv)
         code = 0
     except SystemExit as e:
