@@ -97,8 +97,8 @@ def draw_multicrop(augment, images, seeds):
     canvas = torch.zeros(3, y + shelf, width, dtype=torch.uint8)
     for image, (top, left) in zip(images, corners):
         if torch.is_tensor(image):
-            canvas[:, top:top + image.shape[1] + 2, left:left + image.shape[2] + 2] = F.pad(
-                image[None], (1, 1, 1, 1), mode="replicate")[0]
+            canvas[:, top:top + image.shape[1] + 2, left:left + image.shape[2] + 2] = \
+                torch.from_numpy(np.pad(image.numpy(), ((0, 0), (1, 1), (1, 1)), mode="edge"))
     jpegs = [(i, *c) for i, c in zip(images, corners) if isinstance(i, EncodedJpeg)]
     return UncroppedBatch(canvas, *pack_draws(augment, draws, sizes, corners), jpegs), None
 
