@@ -963,9 +963,9 @@ def make_loader(dataset, batch_size, num_workers, train=True, seed=0):
 def crops_on_device(views, device):
     """A loader batch's (crops, geometry) on `device`; a `device_crops` batch is cut there."""
     crops, geometry = views
+    if hasattr(crops, "cut"):  # --batched_crops: crops and geometry from one copy (device_crops.py)
+        return crops.cut(device)
     geometry = [{k: v.to(device, non_blocking=True) for k, v in g.items()} for g in geometry]
-    if hasattr(crops, "cut"):  # --batched_crops: uint8 images and their draws (device_crops.py)
-        return crops.cut(device), geometry
     return [c.to(device, non_blocking=True) for c in crops], geometry
 
 

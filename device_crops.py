@@ -1,18 +1,12 @@
-"""`--batched_crops`: DINO's multi-crop cut on the training device, for speed only.
-
-The loader workers decode each image (on a GPU they only read baseline JPEGs, which the device
-decodes with nvJPEG) and make the PIL path's random draws from the same per-sample seeds; the
-training device cuts, colours, blurs and normalises the crops with tensor operations. The draws,
-and so the crop geometry, are the PIL path's; the pixels differ by rounding and resampling.
-
-Optional: `common.py` never imports this file. A fork may delete it with the lines that call it
-(marked `# device_crops`) and `--batched_crops` goes with it.
-"""
+"""`--batched_crops`: loader workers read the images and make the PIL path's draws; the device
+decodes (nvJPEG on a GPU) and cuts all crops in a fixed number of batched operations (the PIL
+path's geometry, pixels within the flag's tolerance). Optional: delete it with the lines marked
+`# device_crops`."""
 import contextlib
 import dataclasses
-import io
-import multiprocessing
+import math
 import re
+import typing
 import warnings
 from pathlib import Path
 
@@ -22,228 +16,281 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import io as tv_io
 from torchvision import transforms
+from torchvision.ops import roi_align
 from torchvision.transforms import functional as TF
 
 import common
 
+LUMA = (0.2989, 0.587, 0.114)  # torchvision's
+SLOTS = 6  # colour jitter: 3 blends before the hue, 3 after (one sample's order fills some)
+_STREAMS = {}  # (device, role) -> the side stream
 
-def add_args(parser):
-    """The `--batched_crops` flag, in the multi-crop group when the parser has one."""
-    groups = [g for g in parser._action_groups if g.title == "multi-crop augmentation"]
-    group = groups[0] if groups else parser
+
+def add_args(parser):  # in the multi-crop group when the parser has one
+    group = next((g for g in parser._action_groups if g.title == "multi-crop augmentation"), parser)
     group.add_argument("--batched_crops", default=False, type=common.bool_flag,
-                       help="loader workers only decode the images (on a GPU: read baseline "
-                            "JPEGs, which nvJPEG decodes there) and make the PIL path's draws; "
-                            "the training device cuts the crops with tensor operations: pixels "
-                            "within 1 level of 255 of the PIL path's on average, at most 32")
+                       help="loader workers only read the images (on a GPU: baseline JPEGs, "
+                            "which nvJPEG decodes there) and make the PIL path's draws; the "
+                            "training device cuts the crops in batched operations: pixels within "
+                            "2 levels of 255 of the PIL path's on average, 99%% within 8")
 
 
 class BatchedCrops(common.SeededDataset):
-    """A `SeededDataset` whose batches are uint8 images and their draws (`UncroppedBatch`), cut
-    on `device` by `common.crops_on_device`."""
+    """A `SeededDataset` whose batches are `UncroppedBatch`es (cut by `crops_on_device`)."""
 
     def __init__(self, seeded, device):
         super().__init__(seeded.base, seeded.transform, seeded.seed)
-        self.host_decoded = None  # files decoded by the workers, when the device decodes JPEGs
-        if torch.device(device).type == "cuda":
-            self.decode_jpegs_on_device()
+        folder = self.base
+        while isinstance(folder, torch.utils.data.Subset):  # --holdout
+            folder = folder.dataset
+        if torch.device(device).type == "cuda" and isinstance(folder, common.ImageFolderSafe):
+            folder.loader = read_jpeg_or_decode  # workers read JPEGs, the device decodes them
 
     collate = staticmethod(torch.utils.data.default_convert)  # the batch is made here
 
     def __getitems__(self, indices):
-        """((`UncroppedBatch`, geometry), labels) of a batch."""
         pairs = [i if isinstance(i, tuple) else (i, self.epoch) for i in indices]
         images, labels = zip(*(self.base[i] for i, _ in pairs))
         pixels = [TF.pil_to_tensor(image.convert("RGB")) if isinstance(image, Image.Image)
                   else image for image in images]  # an `EncodedJpeg` is decoded on the device
-        if self.host_decoded is not None:
-            with self.host_decoded.get_lock():
-                self.host_decoded.value += sum(torch.is_tensor(image) for image in pixels)
         seeds = [common.sample_seed(self.seed, epoch, index) for index, epoch in pairs]
-        in_main_process = torch.utils.data.get_worker_info() is None
-        with torch.random.fork_rng(devices=[], enabled=in_main_process):
+        with torch.random.fork_rng(devices=[], enabled=torch.utils.data.get_worker_info() is None):
             return draw_multicrop(self.transform, pixels, seeds), torch.tensor(labels)
 
-    def decode_jpegs_on_device(self):
-        """On a GPU: an image folder's workers read its JPEGs, the device decodes them
-        (`images_on_device`); the files they decode themselves are counted (`host_decoded`)."""
-        folder = self.base
-        while isinstance(folder, torch.utils.data.Subset):  # --holdout
-            folder = folder.dataset
-        if isinstance(folder, common.ImageFolderSafe):
-            folder.loader = read_jpeg_or_decode
-            self.host_decoded = multiprocessing.Value("l", 0)
 
-
-def host_decoded_images(dataset, device):
-    """Collective: {"host_decoded_images": n}, the files of all ranks that the loader workers
-    decoded as the device's decoder cannot read them; {} where the device decodes no JPEGs."""
-    if getattr(dataset, "host_decoded", None) is None:
-        return {}
-    count = torch.tensor([dataset.host_decoded.value], device=device)
-    return {"host_decoded_images": int(common.all_reduce_sum(count).item())}
-
-
-
-@dataclasses.dataclass
-class UncroppedBatch:
-    """`--batched_crops`: a batch as loader workers make it (`draw_multicrop`), its crops not yet
-    cut: uint8 images [3, H, W] of any sizes (on a GPU also `EncodedJpeg` files), each view's
-    draws (plain data), the normalisation."""
-    images: list
-    views: list
-    mean: tuple
-    std: tuple
+class UncroppedBatch(typing.NamedTuple):  # the DataLoader pins its tensors (on a GPU)
+    """Images in 1 px borders of their edges on a canvas, the draws in one `pack`, JPEGs."""
+    canvas: torch.Tensor
+    pack: torch.Tensor
+    shape: dict
+    jpegs: list
 
     def cut(self, device):
-        """The crops on `device` (`common.crops_on_device` calls it)."""
         threads = torch.get_num_threads()
-        if torch.device(device).type == "cpu":  # thousands of small operations: more threads
-            torch.set_num_threads(1)              # only add synchronisation
+        if torch.device(device).type == "cpu":  # more threads only add synchronisation and
+            torch.set_num_threads(1)              # contend with the loader workers
         try:
-            return multicrop_pixels(self, device)
+            return multicrop_pixels(self, torch.device(device))
         finally:
             torch.set_num_threads(threads)
 
-    def pin_memory(self):
-        """The DataLoader pins (on a GPU) the decoded images only: the draws stay plain data, the
-        JPEG files' bytes go to nvJPEG, which reads them from the host."""
-        images = [image.pin_memory() if torch.is_tensor(image) else image for image in self.images]
-        return dataclasses.replace(self, images=images)
-
 
 def draw_multicrop(augment, images, seeds):
-    """The loader worker's half: (`UncroppedBatch`, geometry) of images [3, H, W] (any sizes), with
-    the PIL path's draws from each image's seed, as one dict of per-sample lists a view."""
+    """(`UncroppedBatch`, None: the geometry comes with the crops), the PIL path's draws."""
+    sizes = [(i.height, i.width) if isinstance(i, EncodedJpeg) else i.shape[1:] for i in images]
     draws = []
-    heights_widths = [image_size(image) for image in images]
-    for (height, width), seed in zip(heights_widths, seeds):
+    for (height, width), seed in zip(sizes, seeds):
         torch.default_generator.manual_seed(seed)
         draws.append([draw_crop(height, width, scale, photometric)
                       for _, scale, photometric in augment.plan()])
-    sizes = torch.tensor([[w, h] for h, w in heights_widths], dtype=torch.float64)  # W, H
-    width, height = sizes.unbind(1)
-    views, geometry = [], []
-    for k, (size, _, _) in enumerate(augment.plan()):
-        view = {name: [sample[k][name] for sample in draws] for name in draws[0][k]}
-        views.append(dict(view, size=size))
-        top, left, h, w = torch.tensor(view["box"], dtype=torch.float64).unbind(1)
-        box = torch.stack([left / width, top / height, w / width, h / height], 1).float()
-        geometry.append({"box": box, "flip": torch.tensor(view["flip"]),
-                         "image_size": sizes.float()})
-    return UncroppedBatch(images, views, augment.mean, augment.std), geometry
+    bordered = [(h + 2, w + 2) for h, w in sizes]  # shelves of the tallest first: little padding
+    width = max(max(w for _, w in bordered), math.isqrt(sum(h * w for h, w in bordered)) + 1)
+    corners = [None] * len(sizes)
+    x = y = shelf = 0
+    for i in sorted(range(len(sizes)), key=lambda i: -bordered[i][0]):
+        if x + bordered[i][1] > width:
+            y += shelf
+            x = shelf = 0
+        corners[i] = (y, x)
+        x += bordered[i][1]
+        shelf = max(shelf, bordered[i][0])
+    canvas = torch.zeros(3, y + shelf, width, dtype=torch.uint8)
+    for image, (top, left) in zip(images, corners):
+        if torch.is_tensor(image):
+            canvas[:, top:top + image.shape[1] + 2, left:left + image.shape[2] + 2] = \
+                torch.from_numpy(np.pad(image.numpy(), ((0, 0), (1, 1), (1, 1)), mode="edge"))
+    jpegs = [(i, *c) for i, c in zip(images, corners) if isinstance(i, EncodedJpeg)]
+    return UncroppedBatch(canvas, *pack_draws(augment, draws, sizes, corners), jpegs), None
+
+
+def pack_draws(augment, draws, image_sizes, corners):
+    """Every draw as float32, in square tiles of the sizes' common divisor: one `roi_align`."""
+    plan = augment.plan()
+    sizes = [size for size, _, _ in plan]
+    groups = sorted(set(sizes), key=sizes.index)
+    tile = math.gcd(*sizes)
+    radius = int(3 * 2.0 * augment.global_size / 224) + 1  # the largest sigma's, as PIL's
+    rois, tiles, per_crop, weights, solarize = [], [], [], [], []
+    geometry = np.zeros((len(plan), len(draws), 7), np.float32)
+    for m, (k, n) in enumerate((k, n) for g in groups for k in range(len(plan)) if sizes[k] == g
+                               for n in range(len(draws))):
+        d, side, (height, width) = draws[n][k], sizes[k] // tile, image_sizes[n]
+        top, left, h, w = d["box"]
+        geometry[k, n] = [left / width, top / height, w / width, h / height, d["flip"], width,
+                          height]  # float64 rounded to float32, as the PIL path's
+        for ty, tx in np.ndindex(side, side):
+            x = left + corners[n][1] + 1 + (side - 1 - tx if d["flip"] else tx) * w / side
+            y = top + corners[n][0] + 1 + ty * h / side  # a mirrored crop: its tiles' order
+            rois.append([0, x, y, x + w / side, y + h / side])
+        tiles += [m] * side ** 2
+        slots = [[1.0, 0.0, 0.0, 0.5] for _ in range(SLOTS)]  # an empty slot rounds
+        order, factors = d["jitter"] or ([3], [0.0] * 4)  # blends before the hue end at slot 3
+        for slot, op in zip([*range(3 - order.index(3), 6)], [o for o in order if o != 3]):
+            f = factors[op]  # factor, saturation and contrast weights, offset
+            slots[slot] = [f, (1 - f) * (op == 2), (1 - f) / sizes[k] ** 2 * (op == 1), 0.0]
+        per_crop.append([*np.ravel(slots), d["flip"], *(np.array([5, 3, 1]) + 6 * factors[3]),
+                         *(np.outer(np.ones(3), LUMA) if d["gray"] else np.eye(3)).flat])
+        sigma = np.exp(-0.5 * np.arange(-radius, radius + 1) ** 2 / (d["blur"] or 1e-4) ** 2)
+        weights += [sigma / sigma.sum()] * 3  # no blur: the identity
+        solarize.append(128 if d["solarize"] else 256)
+    per_tile = np.asarray(per_crop, np.float64)[tiles]
+    std = np.asarray(augment.std)
+    parts = [np.asarray(rois), per_tile[:, :4 * SLOTS + 1].T, per_tile[:, -12:-9],
+             per_tile[:, -9:], np.asarray(tiles), np.asarray(weights), np.asarray(solarize),
+             geometry, np.concatenate([LUMA, [0, 1, -1, -1, 0, 1, 1, -1, 0], 1 / (255 * std),
+                                       -np.asarray(augment.mean) / std])]  # hue; normalisation
+    pack = torch.from_numpy(np.concatenate([p.astype(np.float32).ravel() for p in parts]))
+    return pack, dict(split=[p.size for p in parts], tile=tile, tiles=len(tiles),
+                      n=len(draws), radius=radius, groups=[(g, sizes.count(g)) for g in groups],
+                      views=[groups.index(size) for size in sizes],
+                      group_crops=[len(draws) * sizes.count(g) for g in groups],
+                      group_tiles=[len(draws) * sizes.count(g) * (g // tile) ** 2 for g in groups])
 
 
 def multicrop_pixels(batch, device):
-    """The training device's half: an `UncroppedBatch`'s crops, cut on `device` by torchvision's
-    tensor operations (an exact Gaussian for PIL's box blur). Against the PIL path's pixels: a
-    mean |difference| under 1 level of 255 (0.5 to 0.8 on 500 x 375 JPEGs), at most 32."""
-    images = images_on_device(batch.images, device)
-    mean = on_device(batch.mean, device).view(1, 3, 1, 1)
-    std = on_device(batch.std, device).view(1, 3, 1, 1)
+    """(crops, geometry) of an `UncroppedBatch`, in as many operations whatever the batch."""
+    s = batch.shape
+    pack = batch.pack.to(device, non_blocking=True)
+    canvas = batch.canvas.to(device, non_blocking=True)
+    for image, (_, top, left) in zip(images_on_device([j for j, _, _ in batch.jpegs], device),
+                                     batch.jpegs):  # one copy each: the decoder's own tensors
+        canvas[:, top:top + image.shape[1] + 2, left:left + image.shape[2] + 2] = F.pad(
+            image[None], (1, 1, 1, 1), mode="replicate")[0]
+    rois, scalars, hue, gray, tiles, weights, threshold, geometry, const = pack.split(s["split"])
+    luma, mix, scale, shift = const.split([3, 9, 3, 3])
+    scalars = scalars.view(-1, s["tiles"], 1, 1).unbind(0)
+    t = s["tile"]
+    x = roi_align(canvas.float()[None], rois.view(-1, 5), t, 1.0, 0, True)  # antialiased resize
+    x = torch.where(scalars[-1][..., None] > 0, x.flip(-1), x).view(-1, 3, t * t)
+    tiles = tiles.long()
+    luma = luma.expand(s["tiles"], 1, 3)  # a 1x1 convolution is slower on a CPU than bmm
+    zeros = pack.new_zeros(s["n"] * len(s["views"]), 1, 1)
+    for j in range(SLOTS):
+        if j == 3:  # the hue between the blends before it and those after
+            x = shift_hue(x, hue.view(-1, 3, 1), mix.view(1, 3, 3).expand(s["tiles"], 3, 3))
+        x = blend(x, scalars[4 * j:4 * j + 4], luma, tiles, zeros)
+    x = torch.bmm(gray.view(-1, 3, 3), x)  # grayscale or not
     crops = []
-    for view in batch.views:
-        x = torch.cat([F.interpolate(image[None, :, top:top + h, left:left + w].float(),
-                                     size=(view["size"],) * 2, mode="bicubic", antialias=True)
-                       for image, (top, left, h, w) in zip(images, view["box"])])  # levels 0..255
-        flip = on_device(view["flip"], device).view(-1, 1, 1, 1)
-        x = torch.where(flip, x.flip(-1), x).clamp(0, 255)
-        x = color_jitter(x, view["jitter"])
-        gray = on_device(view["gray"], device).view(-1, 1, 1, 1)
-        x = torch.where(gray, grayscale(x).expand_as(x), x)
-        x = gaussian_blur(x, view["blur"])
-        solarize = on_device(view["solarize"], device).view(-1, 1, 1, 1)
-        x = torch.where(solarize & (x >= 128), 255 - x, x)
-        crops.append((x.round() / 255 - mean) / std)  # 8-bit levels, as PIL's images
-    return crops
+    weights = weights.view(-1, 1, 2 * s["radius"] + 1, 1).split([3 * n for n in s["group_crops"]])
+    parts = zip(s["groups"], x.split(s["group_tiles"]), weights,
+                threshold.view(-1, 1, 1, 1).split(s["group_crops"]))
+    for (size, count), y, w, solarize in parts:
+        side = size // t
+        y = y.view(-1, side, side, 3, t, t).permute(0, 3, 1, 4, 2, 5).reshape(1, -1, size, size)
+        y = F.conv2d(F.pad(y, (s["radius"],) * 4, mode="replicate"), w, groups=len(w))
+        y = F.conv2d(y, w.transpose(2, 3), groups=len(w)).view(-1, 3, size, size).round()
+        y = torch.where(y >= solarize, 255 - y, y)
+        y = torch.addcmul(shift.view(1, 3, 1, 1), y, scale.view(1, 3, 1, 1))
+        crops.append(iter(y.view(count, s["n"], 3, size, size).unbind(0)))
+    geometry = geometry.view(-1, s["n"], 7)
+    boxes = geometry[..., :4].unbind(0)
+    flips = geometry[..., 4].bool().unbind(0)
+    image_size = geometry[0, :, 5:]
+    return ([next(crops[g]) for g in s["views"]],
+            [{"box": b, "flip": f, "image_size": image_size} for b, f in zip(boxes, flips)])
 
 
-def on_device(values, device):
-    """`values` (a list or a host tensor) on `device`, through pinned memory to a GPU: a copy from
-    pageable memory (`torch.tensor(values, device=device)`) waits for every queued kernel."""
-    values = torch.as_tensor(values)
-    pinned = values.pin_memory() if torch.device(device).type == "cuda" else values
-    return pinned.to(device, non_blocking=True)
+def blend(x, slot, luma, tiles, zeros):
+    """f x + s gray + c (the crop's gray summed) + offset, clipped and truncated as PIL's."""
+    f, saturation, contrast, offset = slot
+    gray = torch.bmm(luma, x)
+    sums = zeros.index_add(0, tiles, gray.sum(-1, keepdim=True))
+    bias = torch.addcmul(offset, contrast, sums.index_select(0, tiles))
+    return torch.addcmul(torch.addcmul(bias, saturation, gray), f, x).clamp(0, 255).floor()
+
+
+def shift_hue(x, phases, mix):
+    """adjust_hue (HSV) per tile: the hue from the largest channel, shifted by `phases`."""
+    top, channel = x.max(1, keepdim=True)
+    chroma = top - x.amin(1, keepdim=True)
+    hue = torch.bmm(mix, x).gather(1, channel) / chroma.clamp_min(1e-6)
+    k = torch.remainder(torch.add(phases, channel, alpha=2) + hue, 6)
+    return torch.addcmul(top, chroma, torch.minimum(k, 4 - k).clamp(0, 1), value=-1)
 
 
 @dataclasses.dataclass
-class EncodedJpeg:
-    """A JPEG file read but not decoded, for the training device's decoder (nvJPEG on a GPU)."""
-    data: torch.Tensor  # the file's bytes, uint8 [n]
-    height: int  # from its header
-    width: int
-    path: str
+class Prefetched:
+    """The loader, its batches cut (on a GPU batch n + 1 on a side stream during step n)."""
+    loader: torch.utils.data.DataLoader
+    device: torch.device
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        ready = []
+        for views, labels in self.loader:
+            with side_stream(self.device, "crops"):
+                ready.append((common.crops_on_device(views, self.device), labels))
+            if self.device.type != "cuda" or len(ready) == 2:
+                yield hand_over(ready.pop(0), self.device, "crops")
+        yield from (hand_over(batch, self.device, "crops") for batch in ready)
 
 
-def image_size(image):
-    """(height, width) of a uint8 [3, H, W] image or an `EncodedJpeg`."""
-    if isinstance(image, EncodedJpeg):
-        return image.height, image.width
-    return tuple(image.shape[1:])
+def side_stream(device, role):
+    """Work queued on the CUDA device's side stream `role` (one each); elsewhere in line."""
+    if device.type == "cuda" and (device, role) not in _STREAMS:
+        _STREAMS[device, role] = torch.cuda.Stream(device)
+    return torch.cuda.stream(_STREAMS.get((device, role)))  # None: no stream change
 
 
-def read_jpeg_or_decode(path):
-    """An image folder's loader when the device decodes (`SeededDataset.decode_jpegs_on_device`):
-    a whole (ending in its EOI marker) baseline 8-bit RGB JPEG as `EncodedJpeg`, read in about
-    0.1 ms; any other file (PNG, CMYK, grayscale, progressive) as `load_image` decodes it."""
-    with contextlib.suppress(Exception):  # unreadable: `load_image` names the file
-        data = Path(path).read_bytes()
-        with Image.open(io.BytesIO(data)) as img:  # reads the header only
-            baseline = img.format == "JPEG" and not img.info.get("progressive")
-            # a marker inside the (last) scan but restarts, or none ending it: damaged? PIL decides
-            scan = data[data.rfind(b"\xff\xda") + 2:]  # (an EXIF thumbnail's scan comes first)
-            marker = re.search(rb"\xff[^\x00\xd0-\xd7]", scan[:-2])
-            whole = scan.endswith(b"\xff\xd9") and not marker
-            if baseline and img.mode == "RGB" and whole:
-                pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                return EncodedJpeg(pixels, img.height, img.width, str(path))
-    return common.load_image(path)
-
-
-def images_on_device(images, device):
-    """uint8 [3, H, W] images on `device`: tensors copied, `EncodedJpeg`s decoded there in one
-    call (batched by nvJPEG on a GPU); a file that decoder refuses is decoded by PIL, with a
-    warning naming it."""
-    jpegs = [i for i, image in enumerate(images) if isinstance(image, EncodedJpeg)]
-    out = [image if i in jpegs else image.to(device, non_blocking=True)
-           for i, image in enumerate(images)]
-    if not jpegs:
-        return out
-    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (for TorchCodec)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            decoded = tv_io.decode_jpeg([images[i].data for i in jpegs], device=device,
-                                        mode=tv_io.ImageReadMode.RGB)
-        except RuntimeError:  # one file it cannot read stops the batched call: each alone
-            decoded = [decode_jpeg_or_warn(images[i], device) for i in jpegs]
-    for i, image in zip(jpegs, decoded):
-        out[i] = image
+def hand_over(out, device, role):
+    """`out` of side stream `role`: the current stream waits, records its tensors (no reuse)."""
+    if device.type == "cuda":
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(_STREAMS[device, role])
+        for x in torch.utils._pytree.tree_leaves(out):
+            if torch.is_tensor(x) and x.is_cuda:
+                x.record_stream(current)
     return out
 
 
-def decode_jpeg_or_warn(jpeg, device):
-    """One `EncodedJpeg` decoded on `device`, or by PIL when the device's decoder refuses it."""
-    try:
-        return tv_io.decode_jpeg(jpeg.data, device=device, mode=tv_io.ImageReadMode.RGB)
-    except RuntimeError as e:
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
-        common.log(f"warning: {jpeg.path}: the {torch.device(device).type} JPEG decoder refused it "
-            f"({reason}); decoded on the CPU by PIL")
-        return TF.pil_to_tensor(common.load_image(jpeg.path)).to(device)
+EncodedJpeg = typing.NamedTuple("EncodedJpeg", [("data", torch.Tensor), ("height", int),
+                                                ("width", int), ("path", str)])
+
+
+def read_jpeg_or_decode(path):
+    """A whole baseline RGB JPEG as `EncodedJpeg`; any other file as PIL decodes it."""
+    with contextlib.suppress(Exception):  # unreadable: `load_image` names the file
+        data = Path(path).read_bytes()  # a marker but restarts in the last scan: damaged? PIL says
+        stray = re.search(rb"\xff[^\x00\xd0-\xd7]", data[data.rfind(b"\xff\xda") + 2:-2])
+        with Image.open(path) as img:  # reads the header only
+            if ((img.format, img.mode) == ("JPEG", "RGB") and not img.info.get("progressive")
+                    and data.endswith(b"\xff\xd9") and not stray):
+                return EncodedJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                   img.height, img.width, str(path))
+    return common.load_image(path)
+
+
+def images_on_device(jpegs, device):
+    """Decoded in one call on a stream of its own: the decoder allocates on the current stream but
+    writes from its own, which waits for none of its queued work (pytorch/vision#9606)."""
+    with side_stream(device, "decode"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29: use TorchCodec
+        try:
+            decoded = tv_io.decode_jpeg([jpeg.data for jpeg in jpegs], device=device,
+                                        mode=tv_io.ImageReadMode.RGB) if jpegs else []
+        except RuntimeError as e:  # rare: the workers hand over whole baseline RGB files
+            common.log(f"warning: the {device.type} JPEG decoder refused a file of {len(jpegs)} "
+                       f"({str(e).strip().splitlines()[0]}): PIL decodes them, {jpegs[0].path} ...")
+            decoded = [TF.pil_to_tensor(common.load_image(j.path)).to(device) for j in jpegs]
+    return hand_over(decoded, device, "decode")
 
 
 def draw_crop(height, width, scale, photometric):
-    """One crop's parameters, drawn as `crop_and_flip` and the `photometric` pipeline draw them."""
-    empty = torch.empty(0, height, width)
-    box = transforms.RandomResizedCrop.get_params(empty, list(scale), [3 / 4, 4 / 3])
+    """One crop's parameters, drawn as `crop_and_flip` and `photometric` draw them."""
+    box = transforms.RandomResizedCrop.get_params(torch.empty(0, height, width), list(scale),
+                                                  [3 / 4, 4 / 3])
     crop = dict(box=box, flip=bool(torch.rand(1).item() < 0.5), jitter=None, gray=False,
                 blur=None, solarize=False)
     for t in photometric.transforms:
-        if isinstance(t, transforms.RandomApply):  # the colour jitter
-            if not t.p < torch.rand(1).item():
-                j = t.transforms[0]
-                order, *factors = j.get_params(j.brightness, j.contrast, j.saturation, j.hue)
-                crop["jitter"] = (order.tolist(), factors)
+        if isinstance(t, transforms.RandomApply) and not t.p < torch.rand(1).item():  # jitter
+            j = t.transforms[0]
+            order, *factors = j.get_params(j.brightness, j.contrast, j.saturation, j.hue)
+            crop["jitter"] = (order.tolist(), factors)
         elif isinstance(t, transforms.RandomGrayscale):
             crop["gray"] = torch.rand(1).item() < t.p
         elif isinstance(t, common.RandomGaussianBlur):
@@ -251,74 +298,3 @@ def draw_crop(height, width, scale, photometric):
         elif isinstance(t, transforms.RandomSolarize):
             crop["solarize"] = torch.rand(1).item() < t.p
     return crop
-
-
-# The pixel operations of `multicrop_pixels`: float images [N, 3, h, w] of levels 0..255, on any
-# device (host data reaches it by `on_device`).
-def grayscale(x):
-    """torchvision's luma, [N, 1, h, w]."""
-    return (x * on_device([0.2989, 0.587, 0.114], x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
-
-
-def shift_hue(x, shift):
-    """torchvision's adjust_hue per sample: hue rotated by `shift` (of the circle) in HSV."""
-    maxc = x.amax(1, keepdim=True)
-    minc = x.amin(1, keepdim=True)
-    chroma = maxc - minc
-    rc, gc, bc = ((maxc - x) / torch.where(chroma > 0, chroma, 1.0)).unbind(1)
-    r = x[:, 0] == maxc[:, 0]
-    g = x[:, 1] == maxc[:, 0]
-    hue = torch.where(r, bc - gc, torch.where(g, 2 + rc - bc, 4 + gc - rc))[:, None]
-    hue = torch.remainder(hue / 6 + shift.view(-1, 1, 1, 1), 1)
-    phases = on_device([5.0, 3.0, 1.0], x.device).view(1, 3, 1, 1)
-    k = torch.remainder(phases + 6 * hue, 6)  # HSV -> RGB
-    return maxc - chroma * torch.minimum(k, 4 - k).clamp(0, 1)
-
-
-def adjust_color(x, op, f):
-    """torchvision's brightness, contrast, saturation or hue (op 0-3) by f [N, 1, 1, 1]; blends
-    truncated to levels, as PIL's."""
-    if op == 3:
-        return shift_hue(x, f)
-    if op == 0:
-        degenerate = 0.0
-    elif op == 1:
-        degenerate = grayscale(x).mean((1, 2, 3), keepdim=True)
-    else:
-        degenerate = grayscale(x)
-    return torch.floor((degenerate + f * (x - degenerate)).clamp(0, 255))
-
-
-def color_jitter(x, jitters):
-    """torchvision's ColorJitter per sample, in each sample's order with its factors (None:
-    unchanged)."""
-    factors = [j[1] if j is not None else [1.0, 1.0, 1.0, 0.0] for j in jitters]
-    factors = on_device(factors, x.device)
-    for position in range(4):
-        for op in range(4):  # which samples, in plain Python: the device is never waited for
-            chosen = [i for i, j in enumerate(jitters) if j is not None and j[0][position] == op]
-            if chosen:
-                rows = on_device(chosen, x.device)
-                x[rows] = adjust_color(x[rows], op, factors[rows, op].view(-1, 1, 1, 1))
-    return x
-
-
-def gaussian_blur(x, sigmas):
-    """Gaussian blur per sample (None: none) as [N, size, size] matrices: one matmul, not a call
-    per image."""
-    blurred = [i for i, s in enumerate(sigmas) if s is not None]
-    if not blurred:
-        return x
-    sigma = on_device([sigmas[i] for i in blurred], x.device)[:, None]
-    radius = int(3 * np.float32(max(sigmas[i] for i in blurred))) + 1  # float32, as the logged runs
-    size = x.shape[-1]
-    offsets = torch.arange(-radius, radius + 1, device=x.device)
-    weights = torch.exp(-offsets ** 2 / (2 * sigma ** 2))
-    weights = weights / weights.sum(1, keepdim=True)  # [n, K]
-    source = (torch.arange(size, device=x.device)[:, None] + offsets).clamp(0, size - 1)  # [s, K]
-    m = torch.zeros(len(blurred), size, size, device=x.device).scatter_add_(
-        2, source.expand(len(blurred), -1, -1), weights[:, None].expand(-1, size, -1))[:, None]
-    rows = on_device(blurred, x.device)
-    x = x.clone()
-    x[rows] = m @ x[rows] @ m.transpose(-1, -2)
-    return x

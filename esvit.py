@@ -368,6 +368,8 @@ def main(args):
         dataset = device_crops.BatchedCrops(dataset, device)  # device_crops
     loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
                                          train=True, seed=args.seed)
+    if args.batched_crops:  # device_crops: the next batch cut while the GPU computes
+        loader = device_crops.Prefetched(loader, device)  # device_crops
     common.log(f"data: {len(dataset)} images, {len(loader)} steps per epoch")
 
     # ---- student and teacher start from the same weights; the teacher has no drop path
@@ -390,8 +392,8 @@ def main(args):
                           args.teacher_temp, args.warmup_teacher_temp_epochs, args.epochs,
                           args.use_region_loss, niter_per_ep=n_steps).to(device)
     params = common.get_params_groups(student)
-    optimizer = (torch.optim.AdamW(params) if args.optimizer == "adamw"
-                 else torch.optim.SGD(params, lr=0, momentum=0.9))
+    optimizer = (torch.optim.AdamW(params, fused=device.type == "cuda" or None)  # CUDA: fused
+                 if args.optimizer == "adamw" else torch.optim.SGD(params, lr=0, momentum=0.9))
     scaler = common.make_grad_scaler(device, args.precision)
 
     # ---- schedules, one value per iteration (lr scaled linearly with the total batch)
@@ -434,7 +436,6 @@ def main(args):
                                  epoch, start_step, args, device)
         start_step = 0
         record["skipped_images"] = common.skipped_images_all_ranks(dataset, device)  # all ranks
-        record.update(device_crops.host_decoded_images(dataset, device))  # device_crops
         common.append_log(args.output_dir, record)  # before the checkpoint
         save_checkpoints(student, teacher, optimizer, scaler, criterion,
                          epoch + 1, 0, args, dataset)

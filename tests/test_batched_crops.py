@@ -1,9 +1,12 @@
 """`--batched_crops`: loader workers draw each sample's crops (`draw_multicrop`) and the
 training device cuts them from the uint8 images (`multicrop_pixels`, via `crops_on_device`),
 against the per-image PIL path it replaces: the same draws and geometry, pixels within the stated
-tolerance on images of mixed sizes, bit for bit the output of the logged runs' batched crops, the
-same batches with and without loader workers, every tensor made on the images' device; and the
-CPU bf16 attention path of `common.Attention`."""
+tolerance on natural-looking JPEGs and on images of mixed sizes, a fixed number of operations
+whatever the batch (the launch budget), bit for bit this version's crops (a pinned file), the same
+batches with and without loader workers or prefetching, every tensor made on the images' device;
+and the CPU bf16 attention path of `common.Attention`."""
+import collections
+import io
 import sys
 from pathlib import Path
 
@@ -11,13 +14,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageFilter
+from PIL import Image
 from torchvision.transforms import functional as TF
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import device_crops  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "extras" / "perf"))
+import jpeg_folder  # noqa: E402
+
 
 class ColourImages(torch.utils.data.Dataset):
     """28 x 28 RGB images with smooth colour fields and sharp edges (so that hue, saturation,
@@ -96,25 +104,81 @@ def test_batched_draws_consume_the_generator_as_the_pil_path():
         assert torch.equal(torch.get_rng_state(), after_pil), seed
 
 
-def test_batched_pixels_agree_with_the_pil_path():
-    """Same draws, torchvision's tensor operations instead of PIL's integer ones, on images of
-    three sizes: the tolerance `multicrop_pixels` states (a mean |difference| under 1 level of
-    255, at most 32), and the same distribution (channel means and spreads)."""
+def pixel_differences(pil_crops, crops):
+    """|difference| in levels of 255 of every pixel of every view."""
+    return torch.cat([(levels(a) - levels(b)).abs().flatten() for a, b in zip(pil_crops, crops)])
+
+
+def test_batched_pixels_agree_with_the_pil_path_on_natural_jpegs():
+    """The tolerance `--batched_crops` states (its help): on DINO's crops (2 x 224 +
+    8 x 96) of ImageNet-sized JPEGs (extras/perf/jpeg_folder.py's, 400-640 x 300-500 px), a mean
+    |difference| of at most 2 levels of 255 and a 99th percentile of at most 8 (measured 1.5 and
+    7; on smaller images, more of the local crops are enlarged: bilinear, not bicubic, samples),
+    and the same distribution (channel means and spreads)."""
+    files = []
+    for index in range(4):
+        buffer = io.BytesIO()
+        jpeg_folder.draw_image(index, 500, seed=3).save(buffer, "JPEG", quality=90)
+        files.append((Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"), index))
+    augment, indices = common.MultiCropAugmentation(), [(i, 1) for i in range(len(files))]
+    pil = torch.utils.data.default_collate(
+        [common.SeededDataset(files, augment, seed=2)[i] for i in indices])
+    batched = device_crops.BatchedCrops(common.SeededDataset(files, augment, seed=2), "cpu")
+    crops, _ = common.crops_on_device(batched.__getitems__(indices)[0], "cpu")
+    diff = pixel_differences(pil[0][0], crops)
+    assert diff.mean() <= 2 and np.percentile(diff.numpy(), 99) <= 8, diff.mean()
+    for theirs, ours in zip(pil[0][0], crops):
+        assert torch.allclose(levels(theirs).mean((0, 2, 3)), levels(ours).mean((0, 2, 3)), atol=2)
+        assert torch.allclose(levels(theirs).std((0, 2, 3)), levels(ours).std((0, 2, 3)), atol=2)
+
+
+def test_batched_pixels_agree_with_the_pil_path_on_small_images_of_three_sizes():
+    """Images of 20-44 px with sharp edges, mostly enlarged: further from PIL's bicubic than
+    natural ones, still within 2 levels on average."""
     (((pil_crops, _), _), ((crops, _), _)) = both_paths()
-    for theirs, ours in zip(pil_crops, crops):
-        a, b = levels(theirs), levels(ours)
-        diff = (a - b).abs()
-        assert diff.max() <= 32 and diff.mean() < 1.0, (diff.max(), diff.mean())
-        for dims in ((0, 2, 3), (0, 1, 2, 3)):                     # per channel, and overall
-            assert torch.allclose(a.mean(dims), b.mean(dims), atol=0.6)
-            assert torch.allclose(a.std(dims), b.std(dims), atol=0.6)
+    diff = pixel_differences(pil_crops, crops)
+    assert diff.mean() <= 2 and np.percentile(diff.numpy(), 99) <= 16, diff.mean()
+
+
+class OperatorCount(TorchDispatchMode):
+    """Every operator dispatched inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_crops_of_a_batch_cost_at_most_100_operators_whatever_the_batch():
+    """The launch budget, counted for DINO's 2 x 224 + 8 x 96 on the `meta` device (the host-to-
+    device copies counted, nothing computed). The cut issues the same operators whatever the
+    batch: its loops run over the views' output sizes and the jitter slots only, every per-image
+    or per-crop difference is in the numbers of the pack and the shapes of its tensors, not in
+    which operators run. So images of 3 sizes, 4 or 12 of them (and of any content), give the
+    count of 128 ImageNet images. Views (`view`, `expand`, `split`...) launch nothing: at most
+    100 operators that compute; before this version: 5,360 for 128 images (10,400 with views)."""
+    augment = common.MultiCropAugmentation()
+    counts = []
+    for n in (4, 12):
+        dataset = device_crops.BatchedCrops(common.SeededDataset(MixedSizes(n), augment), "cpu")
+        views, _labels = dataset.__getitems__(range(n))
+        with OperatorCount() as count:
+            common.crops_on_device(views, "meta")
+        counts.append(count.ops)
+    assert counts[0] == counts[1]
+    computing = sum(n for op, n in counts[0].items() if not getattr(op, "is_view", False))
+    assert computing <= 100, counts[0]
+    assert sum(counts[0].values()) <= 150, counts[0]
 
 
 def test_the_device_half_on_a_cpu_is_bit_for_bit_the_logged_runs_batched_crops():
-    """tests/data/batched_crops_golden.pt: the crops and geometry that `batched_multicrop` made,
-    before its split into a worker half and a device half, of two images (44 x 30 and 26 x 40)
-    whose 10 views flip, jitter, turn grey, blur and solarize. The two halves (`draw_multicrop`,
-    then `crops_on_device`) give them bit for bit."""
+    """tests/data/batched_crops_golden.pt: the crops and geometry that this version cuts (the
+    tiles of one `roi_align`, the jitter slots) of two images (44 x 30 and 26 x 40) whose 10 views
+    flip, jitter, turn grey, blur and solarize: a change of the pixels shows here first (the
+    geometry is the PIL path's, tested above)."""
     golden = torch.load(ROOT / "tests" / "data" / "batched_crops_golden.pt")
     batch = device_crops.draw_multicrop(augmentation(), golden["images"], golden["seeds"])
     crops, geometry = common.crops_on_device(batch, "cpu")
@@ -129,8 +193,6 @@ def six_samples():
     jittered and some blurred."""
     dataset = device_crops.BatchedCrops(common.SeededDataset(MixedSizes(6), augmentation()), "cpu")
     views, _labels = dataset.__getitems__(range(6))
-    assert any(j is not None for view in views[0].views for j in view["jitter"])
-    assert any(b is not None for view in views[0].views for b in view["blur"])
     return views
 
 
@@ -159,6 +221,13 @@ def as_float(image):
     return TF.pil_to_tensor(image).float()[None] / 255
 
 
+def one_slot(op, factors, x):
+    """A blend slot's parameters [K, 1, 1] for tiles that are whole images [K, 3, L]."""
+    pixels = x.shape[-1]
+    slots = [[f, (1 - f) * (op == 2), (1 - f) / pixels * (op == 1), 0.0] for f in factors]
+    return [torch.tensor(column, dtype=torch.float32).view(-1, 1, 1) for column in zip(*slots)]
+
+
 @pytest.mark.parametrize("op", range(4))
 def test_each_colour_operation_is_torchvisions(op):
     """Per sample factors, torchvision's formulas (on levels 0..255; the blends truncated to whole
@@ -167,29 +236,28 @@ def test_each_colour_operation_is_torchvisions(op):
     factors = [0.6, 1.4] if op < 3 else [-0.1, 0.07]
     tv_op = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue][op]
     theirs = torch.cat([tv_op(x[i:i + 1], f) for i, f in enumerate(factors)]) * 255
-    ours = device_crops.adjust_color(x * 255, op, torch.tensor(factors).view(-1, 1, 1, 1))
-    assert (ours - theirs).abs().max() <= (1 if op < 3 else 1e-3), op
-    assert torch.equal(device_crops.color_jitter(x.clone(), [None, None]), x)
+    tiles = (x * 255).flatten(2)
+    luma = torch.tensor(device_crops.LUMA).view(1, 1, 3).expand(2, 1, 3)
+    if op < 3:
+        ours = device_crops.blend(tiles, one_slot(op, factors, tiles), luma, torch.arange(2),
+                                  torch.zeros(2, 1, 1))
+    else:
+        phases = torch.tensor([[5.0, 3, 1]]) + 6 * torch.tensor(factors)[:, None]
+        mix = torch.tensor([[0.0, 1, -1], [-1, 0, 1], [1, -1, 0]]).expand(2, 3, 3)
+        ours = device_crops.shift_hue(tiles, phases[..., None], mix)
+    assert (ours.view_as(theirs) - theirs).abs().max() <= (1 if op < 3 else 1e-3), op
 
 
-def test_grayscale_solarize_and_blur():
-    image = ColourImages(1)[0][0].resize((32, 32), Image.BICUBIC)
-    x = as_float(image) * 255
-    assert torch.allclose(device_crops.grayscale(x), TF.rgb_to_grayscale(x / 255) * 255, atol=1e-3)
-    for radius in (0.02, 0.3, 1.0, 2.0):  # PIL approximates the Gaussian by three box blurs
-        theirs = as_float(image.filter(ImageFilter.GaussianBlur(radius))) * 255
-        ours = device_crops.gaussian_blur(x, [radius])
-        assert (ours - theirs).abs().max() <= 20 and (ours - theirs).abs().mean() <= 1, radius
-    assert torch.equal(device_crops.gaussian_blur(x, [None]), x)
-
-
-def loader_batches(batched, num_workers, n=16):
+def loader_batches(batched, num_workers, n=16, prefetched=False):
     """The crops, geometry and labels of an epoch of MixedSizes, cut on the CPU."""
     dataset = common.SeededDataset(MixedSizes(n), augmentation(), seed=1)
     if batched:
         dataset = device_crops.BatchedCrops(dataset, "cpu")
     loader, sampler = common.make_loader(dataset, 8, num_workers=num_workers, seed=1)
     sampler.set_epoch(3)
+    if prefetched:  # as the training scripts wrap it; on a CPU each batch is cut in line
+        loader = device_crops.Prefetched(loader, torch.device("cpu"))
+        assert len(loader) == 2 and loader.dataset is dataset
     return [(common.crops_on_device(views, "cpu"), labels) for views, labels in loader]
 
 
@@ -210,8 +278,10 @@ def test_a_loader_worker_gives_the_batches_of_the_main_process():
     """The draws made in a worker process, the images shipped uint8: the same crops, geometry
     and labels, bit for bit, as without a worker."""
     in_worker, in_main = (loader_batches(True, num_workers=workers) for workers in (1, 0))
-    assert len(in_worker) == len(in_main) == 2
-    for ((crops, geometry), labels), ((crops0, geometry0), labels0) in zip(in_worker, in_main):
+    prefetched = loader_batches(True, num_workers=0, prefetched=True)
+    assert len(in_worker) == len(in_main) == len(prefetched) == 2
+    for ((crops, geometry), labels), ((crops0, geometry0), labels0) in [
+            *zip(in_worker, in_main), *zip(prefetched, in_main)]:
         assert torch.equal(labels, labels0)
         assert all(torch.equal(a, b) for a, b in zip(crops, crops0, strict=True))
         assert all(torch.equal(a[k], b[k]) for a, b in zip(geometry, geometry0) for k in a)

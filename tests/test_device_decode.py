@@ -1,9 +1,11 @@
 """`--batched_crops` on a GPU: loader workers read an image folder's baseline JPEGs without
 decoding them (`read_jpeg_or_decode`), the training device decodes them in one call
 (`images_on_device`: nvJPEG there, libjpeg here on the CPU), and every other file (PNG, CMYK,
-grayscale, progressive, 16-bit) is decoded by the workers as before and counted in the log. On a
-CPU both decoders give the PIL path's pixels, so the crops and their geometry are the PIL-decoded
-batch's."""
+grayscale, progressive, 16-bit) is decoded by the workers as before, onto the batch's canvas. On
+a CPU both decoders give the PIL path's pixels, so the crops and their geometry are the
+PIL-decoded batch's. The decode on a stream of its own while a backward is queued: its CPU form,
+extras/perf/decode_check.py --device cpu (below)."""
+import json
 import sys
 from pathlib import Path
 
@@ -51,7 +53,7 @@ def folder(tmp_path_factory):
 
 
 def batch(folder, on_device):
-    """(`UncroppedBatch`, geometry) of the whole folder, epoch 0, and the dataset."""
+    """(`UncroppedBatch`, None) of the whole folder, epoch 0, and the dataset."""
     augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=16,
                                            local_crop_size=8)
     seeded = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3)
@@ -66,56 +68,52 @@ def names(dataset):
 
 def test_workers_hand_baseline_jpegs_over_and_decode_the_rest(folder):
     (uncropped, _geometry), dataset = batch(folder, on_device=True)
-    kinds = dict(zip(names(dataset), (type(image).__name__ for image in uncropped.images)))
-    assert kinds == {**{n: "EncodedJpeg" for n in DEVICE_DECODED},
-                     **{n: "Tensor" for n in WORKER_DECODED}}
-    assert dataset.host_decoded.value == len(WORKER_DECODED)
-    assert device_crops.host_decoded_images(dataset, torch.device("cpu")) == {
-        "host_decoded_images": len(WORKER_DECODED)}
-    jpeg = uncropped.images[0]
+    root = dataset.base.root
+    assert sorted(Path(j.path).relative_to(root).as_posix() for j, _, _ in uncropped.jpegs) == \
+        DEVICE_DECODED  # the others are on the canvas
+    assert len(uncropped.jpegs) + len(WORKER_DECODED) == len(dataset)
+    jpeg = uncropped.jpegs[0][0]
     with Image.open(jpeg.path) as image:
         assert (jpeg.width, jpeg.height) == image.size
     assert jpeg.data.dtype == torch.uint8 and jpeg.data.dim() == 1
 
 
-def test_without_device_decoding_nothing_is_counted(folder):
-    _views, dataset = batch(folder, on_device=False)
-    assert dataset.host_decoded is None
-    assert device_crops.host_decoded_images(dataset, torch.device("cpu")) == {}
+def test_without_device_decoding_the_workers_decode_every_file(folder):
+    (uncropped, _), dataset = batch(folder, on_device=False)
+    assert uncropped.jpegs == [] and dataset.base.loader is not device_crops.read_jpeg_or_decode
 
 
 def test_the_device_decoded_batch_is_the_pil_decoded_one(folder):
-    (pil, pil_geometry), _ = batch(folder, on_device=False)
-    (device, device_geometry), _ = batch(folder, on_device=True)
-    decoded = device_crops.images_on_device(device.images, torch.device("cpu"))
-    for a, b in zip(pil.images, decoded):
-        assert a.shape == b.shape and (a.int() - b.int()).abs().max() <= 1  # libjpeg builds
-    assert device.views == pil.views
+    (pil, _), _ = batch(folder, on_device=False)
+    (device, _), dataset = batch(folder, on_device=True)
+    decoded = device_crops.images_on_device([j for j, _, _ in device.jpegs], torch.device("cpu"))
+    for image, (jpeg, _, _) in zip(decoded, device.jpegs, strict=True):
+        pixels = TF.pil_to_tensor(common.load_image(jpeg.path))
+        assert image.shape == pixels.shape and (image.int() - pixels.int()).abs().max() <= 1
+    assert torch.equal(device.pack, pil.pack) and device.shape == pil.shape  # the same draws
+    crops_pil, pil_geometry = common.crops_on_device((pil, None), torch.device("cpu"))
+    crops_device, device_geometry = common.crops_on_device((device, None), torch.device("cpu"))
     for a, b in zip(pil_geometry, device_geometry):
         assert all(torch.equal(a[key], b[key]) for key in a)
-    crops_pil, _ = common.crops_on_device((pil, pil_geometry), torch.device("cpu"))
-    crops_device, _ = common.crops_on_device((device, device_geometry), torch.device("cpu"))
     for a, b in zip(crops_pil, crops_device):
         assert (a - b).abs().mean() * 255 < 0.1  # 1 level of 255 at most where libjpegs differ
 
 
-def test_a_file_the_device_decoder_refuses_is_decoded_by_pil_with_a_warning(
+def test_a_batch_with_a_file_the_device_decoder_refuses_is_decoded_by_pil_with_a_warning(
         folder, monkeypatch, capsys):
     (uncropped, _), _dataset = batch(folder, on_device=True)
-    refused = uncropped.images[1]
-    decode = device_crops.tv_io.decode_jpeg
+    jpegs = [jpeg for jpeg, _, _ in uncropped.jpegs]
 
     def decode_jpeg(data, **kwargs):
-        if isinstance(data, list) or data is refused.data:
-            raise RuntimeError("nvjpegDecodeBatched failed: 3\nmore lines")
-        return decode(data, **kwargs)
+        raise RuntimeError("nvjpegDecodeBatched failed: 3\nmore lines")
     monkeypatch.setattr(device_crops.tv_io, "decode_jpeg", decode_jpeg)
-    images = device_crops.images_on_device(uncropped.images, torch.device("cpu"))
-    assert torch.equal(images[1], TF.pil_to_tensor(common.load_image(refused.path)))
+    images = device_crops.images_on_device(jpegs, torch.device("cpu"))
+    for image, jpeg in zip(images, jpegs, strict=True):
+        assert torch.equal(image, TF.pil_to_tensor(common.load_image(jpeg.path)))
     out = capsys.readouterr().out
     assert out.count("warning:") == 1
-    assert (f"warning: {refused.path}: the cpu JPEG decoder refused it (nvjpegDecodeBatched "
-            f"failed: 3); decoded on the CPU by PIL") in out
+    assert (f"warning: the cpu JPEG decoder refused a file of {len(jpegs)} (nvjpegDecodeBatched "
+            f"failed: 3): PIL decodes them, {jpegs[0].path} ...") in out
 
 
 def test_a_cut_jpeg_is_the_workers_to_decode_and_to_refuse(folder, tmp_path):
@@ -129,7 +127,7 @@ def test_a_cut_jpeg_is_the_workers_to_decode_and_to_refuse(folder, tmp_path):
         device_crops.read_jpeg_or_decode(missing)
 
 
-def test_a_loader_on_a_gpu_decodes_there_and_its_workers_count(folder, monkeypatch):
+def test_a_loader_on_a_gpu_hands_the_jpegs_over(folder, monkeypatch):
     augment = common.MultiCropAugmentation(local_crops_number=2, global_crop_size=16,
                                            local_crop_size=8)
     seeded = common.SeededDataset(common.ImageFolderSafe(str(folder)), augment, seed=3)
@@ -137,6 +135,23 @@ def test_a_loader_on_a_gpu_decodes_there_and_its_workers_count(folder, monkeypat
     assert dataset.base.loader is device_crops.read_jpeg_or_decode
     loader, sampler = common.make_loader(dataset, 4, num_workers=1, seed=3)  # pin_memory off
     sampler.set_epoch(0)
+    handed_over = []
     for views, _labels in loader:
+        handed_over += [Path(j.path).name for j, _, _ in views[0].jpegs]
         common.crops_on_device(views, torch.device("cpu"))
-    assert dataset.host_decoded.value == len(WORKER_DECODED)  # 2 batches: all 8 files
+    assert sorted(handed_over) == sorted(Path(n).name for n in DEVICE_DECODED)  # 2 batches
+
+
+def test_the_decode_check_in_its_cpu_form(tmp_path, capsys):
+    """extras/perf/decode_check.py, the GPU check part that decodes while a backward is queued,
+    on the CPU: the same code path in line, the same pixels in every round, one JSON line."""
+    sys.path.insert(0, str(ROOT / "extras" / "perf"))
+    import decode_check
+    out = tmp_path / "decode_check.jsonl"
+    assert decode_check.main(["--device", "cpu", "--images", "6", "--size", "64", "--rounds", "2",
+                              "--width", "32", "--jpeg_cache", str(tmp_path / "jpegs"),
+                              "--out", str(out)]) == 0
+    assert "the same pixels in every round" in capsys.readouterr().out
+    line = json.loads(out.read_text())
+    assert line["changed_images_per_round"] == [0, 0] and line["images"] == 6
+    assert line["max_abs_diff_from_cpu_decoder"] == 0  # the same decoder, here

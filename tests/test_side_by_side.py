@@ -191,19 +191,24 @@ def test_gpu_run_steps_parse_with_each_scripts_parser_and_it_refuses_without_the
     """The one GPU script's three steps, parsed by their own scripts' parsers, sharing one JPEG
     cache and writing the files to commit under --docs; without the authors' files it stops in
     one line before anything runs."""
+    import decode_check
     import gpu_check
     import gpu_run
-    parsers = {"gpu_check": gpu_check.get_args_parser(), "loader_cost":
+    parsers = {"decode_check": decode_check.get_args_parser(),
+               "gpu_check": gpu_check.get_args_parser(), "loader_cost":
                side_by_side.jpeg_folder.get_args_parser(),
                "side_by_side": side_by_side.get_args_parser()}
     for device in ("cuda", "cpu"):
         args = gpu_run.get_args_parser().parse_args(
             ["--device", device, "--out", str(tmp_path / "run"), "--docs", str(tmp_path / "d")])
         steps = dict(gpu_run.steps(args))
-        assert list(steps) == ["gpu_check", "loader_cost", "side_by_side"]
+        assert list(steps) == ["decode_check", "gpu_check", "loader_cost", "side_by_side"]
         parsed = {name: parsers[name].parse_args(cmd[2:]) for name, cmd in steps.items()}
         assert {parsed["gpu_check"].jpeg_cache, parsed["loader_cost"].cache,
-                parsed["side_by_side"].jpeg_cache} == {"runs/jpeg_folders"}
+                parsed["side_by_side"].jpeg_cache,
+                parsed["decode_check"].jpeg_cache} == {"runs/jpeg_folders"}
+        assert parsed["side_by_side"].batches == [128] and parsed["side_by_side"].e2e_batch == 128
+        assert parsed["side_by_side"].levers[0] == "fused_adamw"  # the cheap lever first
         assert parsed["gpu_check"].out == str(tmp_path / "run" / "gpu_check")  # main adds a time
         assert parsed["side_by_side"].out == str(tmp_path / "d" / "side_by_side.jsonl")
         assert parsed["side_by_side"].authors_code == ".authors_dino"

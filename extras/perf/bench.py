@@ -220,7 +220,8 @@ def clocked(module, clocks):
 
     def train_one_epoch(*args, **kwargs):
         def wrap(a):
-            return Clock(a) if isinstance(a, torch.utils.data.DataLoader) else a
+            loaders = (torch.utils.data.DataLoader, dino.device_crops.Prefetched)  # batched crops
+            return Clock(a) if isinstance(a, loaders) else a
         args, kwargs = [wrap(a) for a in args], {k: wrap(v) for k, v in kwargs.items()}
         clock = next(a for a in [*args, *kwargs.values()] if isinstance(a, Clock))
         clocks.append(clock)

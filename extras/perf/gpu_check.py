@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import device_crops  # noqa: E402
 # the host-sync counter and the parts, in this file's folder (on sys.path when it runs as a script)
 from sync_counter import CUDA_SYNC, SyncCounter  # noqa: E402,F401
 from gpu_parts import ARCH, FORMS, Part, check_commands, plan  # noqa: E402,F401
@@ -115,8 +116,9 @@ def run_part(part, rank, port, out):
         module = importlib.import_module(part.script)
         if hasattr(module, "train_one_epoch"):
             train = module.train_one_epoch
+            loaders = (torch.utils.data.DataLoader, device_crops.Prefetched)  # batched crops
             module.train_one_epoch = lambda *a, **k: train(*[clocked(x, probe) if isinstance(
-                x, torch.utils.data.DataLoader) else x for x in a], **k)
+                x, loaders) else x for x in a], **k)
         common.run_script(module.main, module.get_args_parser(), part.argv)
         code = 0
     except SystemExit as e:
@@ -302,12 +304,6 @@ def evaluate(part, result, out, form, figures):
         if figures[part.name] and figures.get(other):
             ratio = figures[part.name]["images_per_s"] / figures[other]["images_per_s"]
             text += f" ({ratio:.2f}x {what} epoch images/s)"
-        if part.name == "dino_jpeg_batched":  # on a GPU its JPEGs are nvJPEG's to decode
-            decoded = records(out / part.name)[-1].get("host_decoded_images")
-            text += ("; decoded by the loader workers (no GPU)" if decoded is None
-                     else f"; decoded by nvJPEG: all but {decoded} files")
-            if form != "cpu" and decoded != 0:
-                problems.append("on a GPU every file of the JPEG folder is decoded by nvJPEG")
     elif part.name == "dino_preempted":
         ckpt = checkpoint(out, part.name)
         text = (f"stopped by SIGTERM during step {part.preempt_at}, checkpoint at epoch "

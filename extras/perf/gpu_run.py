@@ -1,26 +1,28 @@
-"""The one prepared run for a GPU machine: the GPU check, a loader's CPU cost per JPEG, and the
-authors' DINO beside ours, in under 10 minutes on one H200; every figure left in files to commit.
+"""The one prepared run for a GPU machine: the device decode's check, the GPU check, a loader's
+CPU cost per JPEG, and the authors' DINO beside ours, within 8 minutes on one GPU; every figure
+and log left in files to commit (docs/FIRST_GPU_RUN.md: the exact call on a lent machine).
 
     mkdir -p .authors_dino && cp DINO/{main_dino,utils,vision_transformer}.py .authors_dino/
     python extras/perf/gpu_run.py                   # writes docs/data/ and runs/gpu_run/<time>/
     python extras/perf/gpu_run.py --docs $OUT/data  # a lent machine: its $OUT comes back
+    python extras/perf/gpu_run.py --device cpu      # the plumbing on a CPU (no authors' code)
 
-`.authors_dino/` (ignored by git) holds the authors' facebookresearch/dino files. In order, each
-with what is left of --budget (default 9 min):
-  1. extras/perf/gpu_check.py (every part, the JPEG parts included): 2.3 min measured on one H200
-     for the 11 parts before the JPEG ones (docs/data/gpu_check_h200.txt); the two JPEG parts (80
-     steps each, 10 workers, loader-bound at 300-500 img/s if a core decodes and crops an image
-     in 20-35 ms) and making the 4,000 JPEGs (about 6 s on 16 cores) add about 1 min: 3.5 min.
-  2. extras/perf/jpeg_folder.py --cost 96: a core's CPU milliseconds per JPEG for each crop path
-     (10 s).
-  3. extras/perf/side_by_side.py: 8 steps alone (25 steps each, 70-200 ms, and a build) about
-     1.5 min, end to end 3 x 50 steps about 1 min, fused AdamW 10 s, torch.compile's first steps 1
-     to 2 min (not measured): 3.5-4.5 min.
-The estimate is 7.5-8.5 min; a step that overruns is ended (its lines so far are kept) and the next
-gets what is left. Writes into --docs: gpu_run_<gpu>_<date>.txt (everything printed, under a
-header of command, times, commit and machine), gpu_check.jsonl (one line per part),
-loader_cost.jsonl and side_by_side.jsonl (the other steps' lines), each line with its provenance;
-then prints what to commit.
+`.authors_dino/` (ignored by git, so carried to a lent machine by hand) holds the authors'
+facebookresearch/dino files. In order, each with what is left of --budget (default 7.5 min):
+  1. extras/perf/decode_check.py: nvJPEG on its own stream while a backward is queued (20 s).
+  2. extras/perf/gpu_check.py (every part, the JPEG parts included): 2.3 min measured on one H200
+     for the 11 parts before the JPEG ones (docs/data/gpu_check_h200.txt); the two JPEG parts and
+     making the 4,000 JPEGs (about 6 s on 16 cores) add about 1 min: 3.5 min.
+  3. extras/perf/jpeg_folder.py --cost 96: a core's CPU milliseconds per JPEG per crop path (10 s).
+  4. extras/perf/side_by_side.py at 128 images per GPU: 4 steps alone (25 steps each) about 45 s,
+     end to end 3 x 30 steps (4,000 JPEGs: 31 batches) about 1 min, the batched step split into
+     decode wait, crop issue and crop compute; then the levers, the cheap one first: fused AdamW
+     10 s, torch.compile's first steps 1 to 2 min (not measured): 3-4 min.
+The estimate is 7-8 min; a step that overruns is ended (its lines so far are kept) and the next
+gets what is left. Writes into --docs as each step ends: gpu_run_<gpu>_<date>.txt (everything
+printed, under a header of command, times, commit and machine), decode_check.jsonl,
+gpu_check.jsonl (one line per part), loader_cost.jsonl and side_by_side.jsonl, each line with its
+provenance, and the step's logs (gpu_run_logs/<step>/, no checkpoints); then prints what to commit.
 """
 import argparse
 import json
@@ -52,9 +54,10 @@ def get_args_parser():
                    help="every log and checkpoint, in a new folder <UTC time> inside it (keep it "
                         "off a lent machine's $OUT: the checkpoints are large)")
     p.add_argument("--docs", default="docs/data", help="where the files to commit are written")
-    p.add_argument("--budget", default=540, type=common.POSITIVE_INT,
-                   help="seconds for the whole run (a lent machine's command may take 600, and "
-                        "a step past the budget has 30 s to end); each step gets what is left")
+    p.add_argument("--budget", default=None, type=common.POSITIVE_INT,
+                   help="seconds for the whole run, each step getting what is left; default 450 "
+                        "on a GPU (8 minutes with the 30 s a step past it has to end), 1,200 in "
+                        "the CPU form")
     p.add_argument("--jpeg_cache", default="runs/jpeg_folders")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: the plumbing on a CPU (gpu_check's CPU form, side_by_side's smoke)")
@@ -65,6 +68,10 @@ def steps(args):
     """(name, command) of each step, in order."""
     python = [sys.executable]
     cpu = args.device == "cpu"
+    decode = [*python, "extras/perf/decode_check.py", "--device", args.device, "--jpeg_cache",
+              args.jpeg_cache, "--out", str(Path(args.docs) / "decode_check.jsonl"),
+              *(["--images", "8", "--size", "96", "--rounds", "2", "--width", "64"] if cpu
+                else [])]
     check = [*python, "extras/perf/gpu_check.py", "--out", str(Path(args.out) / "gpu_check"),
              "--jpeg_cache", args.jpeg_cache, "--device", args.device]
     cost = [*python, "extras/perf/jpeg_folder.py", "--cache", args.jpeg_cache,
@@ -72,10 +79,25 @@ def steps(args):
             *(["--images", "32", "--size", "96", "--cost", "8"] if cpu else ["--cost", "96"])]
     side = [*python, "extras/perf/side_by_side.py", "--authors_code", args.authors_code,
             "--device", args.device, "--jpeg_cache", args.jpeg_cache,
-            "--out", str(Path(args.docs) / "side_by_side.jsonl"),
+            "--out", str(Path(args.docs) / "side_by_side.jsonl"), "--batches", "128",
             # on a CPU compiling takes minutes (side_by_side.py): fused AdamW only
-            *(["--smoke", "--levers", "fused_adamw"] if cpu else [])]
-    return [("gpu_check", check), ("loader_cost", cost), ("side_by_side", side)]
+            *(["--smoke", "--levers", "fused_adamw"] if cpu else []),
+            *(["--ours_only"] if cpu and authors_code_missing(args) else [])]
+    return [("decode_check", decode), ("gpu_check", check), ("loader_cost", cost),
+            ("side_by_side", side)]
+
+
+def authors_code_missing(args):
+    return [n for n in authors_dino.FILES if not (Path(args.authors_code) / n).is_file()]
+
+
+def keep_logs(source, target):
+    """A step's logs (not its checkpoints) copied where the files to commit go, as it ends."""
+    for path in Path(source).rglob("*") if Path(source).is_dir() else []:
+        if path.is_file() and path.suffix in (".log", ".txt", ".jsonl"):
+            copy = Path(target) / path.relative_to(source)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy)
 
 
 def run(command, seconds, log):
@@ -133,8 +155,8 @@ def machine():
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
-    missing = [n for n in authors_dino.FILES if not (Path(args.authors_code) / n).is_file()]
-    if missing:
+    missing = authors_code_missing(args)
+    if missing and args.device == "cuda":
         common.die(f"--authors_code {args.authors_code}: no {', '.join(missing)}; copy the "
                    "authors' facebookresearch/dino files there first (the folder is ignored by "
                    "git)")
@@ -157,7 +179,7 @@ def main(argv=None):
     header = (f"# {command}\n# started {started['started_utc']} UTC; commit "
               f"{started['commit'][:7]}, uncommitted: {changed}\n# machine: {describe}\n")
     print(header, end="", flush=True)
-    deadline = time.time() + args.budget
+    deadline = time.time() + (args.budget or (450 if args.device == "cuda" else 1200))
     status = {}
     with open(text, "a") as log:
         log.write(header)
@@ -177,9 +199,11 @@ def main(argv=None):
             log.flush()
             if name == "gpu_check":
                 record_check(out, docs, started, command, gpu)
+                keep_logs(out / "gpu_check", docs / "gpu_run_logs" / "gpu_check")
         log.write(f"# ended {provenance.utc_now()} UTC\n")
-    written = [str(docs / name) for name in (text.name, "gpu_check.jsonl", "loader_cost.jsonl",
-                                             "side_by_side.jsonl") if (docs / name).exists()]
+    written = [str(docs / name) for name in (text.name, "decode_check.jsonl", "gpu_check.jsonl",
+                                             "loader_cost.jsonl", "side_by_side.jsonl",
+                                             "gpu_run_logs") if (docs / name).exists()]
     print(f"\ngpu_run: {'; '.join(f'{k} {v}' for k, v in status.items())}\nto commit: "
           + " ".join(written))
     return 0 if all(v.startswith("exit status 0 ") for v in status.values()) else 1

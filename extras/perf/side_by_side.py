@@ -40,6 +40,7 @@ import itertools
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -242,7 +243,7 @@ def step_alone(authors, spec, args, device, plan, tmp):
     """The steps alone of `plan` (`step_plan`): yields one record each."""
     steps = args.warmup + args.steps
     flops = {}
-    for code, precision, lever, batch in plan:
+    for code, precision, lever, batch in [p for p in plan if authors or p[0] == "ours"]:
         record = {"measure": "step_alone", "code": code, "precision": precision,
                   "lever": lever, "batch_per_gpu": batch}
         try:
@@ -272,14 +273,18 @@ def step_alone(authors, spec, args, device, plan, tmp):
 
 
 def end_to_end(authors, spec, args, device, precisions, tmp):
-    """Each side with its own loader on the JPEG folder: yields one record each."""
-    batch = args.batches[0]
+    """Each side with its own loader on the JPEG folder: yields one record each; ours batched
+    with its step's split (`split_times`)."""
+    batch = args.e2e_batch
     steps = args.e2e_warmup + args.e2e_steps
     spec = {**spec, **AUTHORS_CROPS}
     folder = jpeg_folder.make(args.jpeg_cache, args.jpeg_images, size=args.jpeg_size)
     data = {"folder": str(folder), **jpeg_folder.describe(folder)}
+    if steps > data["images"] // batch:  # a loader's last batch ends the measurement
+        raise SystemExit(f"--e2e_warmup + --e2e_steps: {steps} batches of {batch}, more than "
+                         f"the {data['images']} images of {folder} give")
     for code, loader_kind in (("authors", "DataAugmentationDINO"), ("ours", "pil"),
-                              ("ours", "batched")):
+                              ("ours", "batched"))[0 if authors else 1:]:
         precision = precisions[code][0]
         record = {"measure": "end_to_end", "code": code, "precision": precision,
                   "loader": loader_kind, "num_workers": args.num_workers, "batch_per_gpu": batch,
@@ -294,8 +299,11 @@ def end_to_end(authors, spec, args, device, precisions, tmp):
                 ours = our_args(spec, batch, precision, device, tmp, flags)
                 train, _ = build_ours(ours, device, steps)
                 loader = our_loader(ours, device)
-            record.update(measure(train, Clock(loader, steps, device, every_step=False), device,
-                                  args.e2e_warmup, batch))
+            timed = args.e2e_warmup if loader_kind == "batched" else None
+            with split_times(device, timed) as split:
+                record.update(measure(train, Clock(loader, steps, device, every_step=False),
+                                      device, args.e2e_warmup, batch))
+            record.update(split)
         except (Exception, SystemExit) as e:
             record["error"] = failure(e)
         finally:
@@ -315,7 +323,52 @@ def our_loader(args, device):
     loader, sampler = common.make_loader(dataset, args.batch_size_per_gpu, args.num_workers,
                                          train=True, seed=args.seed)
     sampler.set_epoch(0)
-    return loader
+    return device_crops.Prefetched(loader, device) if args.batched_crops else loader
+
+
+@contextlib.contextmanager
+def split_times(device, warmup):
+    """With `warmup` (not None), the batched step's device_crops work split, per step after the
+    warm-up, into a dict filled when the block ends: median milliseconds of the decode (from the
+    cut's start to the JPEGs on its stream: nvJPEG's wait), of issuing the crops (host time of the
+    cut without the decode) and of computing them (the cut's GPU time without the decode), timed
+    by CUDA events on the stream the cut runs on (on a CPU, all host times)."""
+    split, times = {}, {"decode": [], "cut": []}
+    real = {name: getattr(device_crops, name) for name in ("images_on_device", "multicrop_pixels")}
+
+    def timed(name):
+        def run(*args):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] \
+                if device.type == "cuda" else []
+            start = time.perf_counter()
+            for e in events[:1]:
+                e.record()
+            out = real[name](*args)
+            for e in events[1:]:
+                e.record()
+            times["decode" if name == "images_on_device" else "cut"].append(
+                (time.perf_counter() - start, events))
+            return out
+        return run
+    if warmup is not None:
+        for name in real:
+            setattr(device_crops, name, timed(name))
+    try:
+        yield split
+    finally:
+        for name, f in real.items():
+            setattr(device_crops, name, f)
+    if warmup is not None and times["cut"][warmup:]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+        def ms(kind, gpu):
+            return [1e3 * (e[0].elapsed_time(e[1]) / 1e3 if gpu and e else h)
+                    for h, e in times[kind][warmup:]]
+        median = statistics.median
+        split.update(decode_wait_ms=median(ms("decode", True)),
+                     crop_issue_ms=median(ms("cut", False)) - median(ms("decode", False)),
+                     crop_compute_ms=median(ms("cut", True)) - median(ms("decode", True)))
 
 
 # ======== Output =================================================================================
@@ -331,6 +384,9 @@ def line_text(r):
     if r["measure"] == "end_to_end":
         text += (f", epoch {r['images_per_s']:.4g} img/s, data wait mean "
                  f"{1e3 * r['mean_wait_s']:.1f} ms ({r['wait_share']:.0%})")
+    if "crop_issue_ms" in r:
+        text += (f"; per step: decode wait {r['decode_wait_ms']:.1f} ms, crop issue "
+                 f"{r['crop_issue_ms']:.1f} ms, crop compute {r['crop_compute_ms']:.1f} ms")
     if r.get("peak_memory_mb"):
         text += f", {r['peak_memory_mb']:,.0f} MB"
     if r["measure"] == "step_alone":
@@ -359,13 +415,18 @@ def get_args_parser():
                    choices=["step", "levers", "e2e"])
     p.add_argument("--batches", nargs="+", type=common.POSITIVE_INT, default=[64, 128],
                    help="images per GPU of the steps alone (the levers and e2e: the first)")
-    p.add_argument("--levers", nargs="+", default=["compile", "fused_adamw"],
-                   choices=["compile", "fused_adamw"])
+    p.add_argument("--levers", nargs="+", default=["fused_adamw", "compile"],
+                   choices=["compile", "fused_adamw"], help="in this order: the cheap one first")
     p.add_argument("--warmup", type=common.POSITIVE_INT, default=5,
                    help="steps alone not counted (compile: its first steps compile)")
     p.add_argument("--steps", type=common.POSITIVE_INT, default=20, help="steps alone counted")
-    p.add_argument("--e2e_warmup", type=common.POSITIVE_INT, default=10)
-    p.add_argument("--e2e_steps", type=common.POSITIVE_INT, default=40)
+    p.add_argument("--e2e_batch", type=common.POSITIVE_INT, default=128,
+                   help="images per GPU end to end (the users' 128)")
+    p.add_argument("--e2e_warmup", type=common.POSITIVE_INT, default=5)
+    p.add_argument("--e2e_steps", type=common.POSITIVE_INT, default=25,
+                   help="with the warm-up at most the folder's batches (4,000 JPEGs: 31 of 128)")
+    p.add_argument("--ours_only", action="store_true",
+                   help="no code of the authors: our measurements only (gpu_run's CPU form)")
     p.add_argument("--num_workers", type=common.COUNT, default=10,
                    help="loader workers of both sides end to end (both scripts' default)")
     p.add_argument("--jpeg_cache", default="runs/jpeg_folders")
@@ -376,8 +437,8 @@ def get_args_parser():
     return p
 
 
-SMOKE = dict(batches=[2], warmup=1, steps=2, e2e_warmup=1, e2e_steps=2, num_workers=1,
-             jpeg_images=16)
+SMOKE = dict(batches=[2], warmup=1, steps=2, e2e_batch=2, e2e_warmup=1, e2e_steps=2,
+             num_workers=1, jpeg_images=16)
 
 
 def main(argv=None):
@@ -387,7 +448,7 @@ def main(argv=None):
     out = args.out or (tempfile.mkstemp(prefix="side_by_side_", suffix=".jsonl")[1] if args.smoke
                        else str(ROOT / "docs" / "data" / "side_by_side.jsonl"))
     provenance.check_log_writable(out, what="--out")
-    authors = authors_dino.load(args.authors_code)
+    authors = None if args.ours_only else authors_dino.load(args.authors_code)
     started = provenance.start()
     command = "python " + " ".join(sys.argv if argv is None else ["side_by_side.py", *argv])
     with socket.socket() as sock:   # a process group of one, as torchrun's with one GPU
