@@ -13,6 +13,7 @@ data, every file fits its line budget (read in one sitting), and a fork without 
 files trains, resumes and evaluates with every script."""
 import ast
 import fnmatch
+import json
 import os
 import re
 import subprocess
@@ -200,35 +201,49 @@ FORK_TRAINING = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(FORK_TRAINING))
-def test_a_fork_without_the_optional_files_trains_and_resumes(tmp_path, script):
-    fork = fork_without_optional_files(tmp_path)
-    out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for epochs in ("1", "2"):
-        r = subprocess.run([sys.executable, script, *SYNTHETIC, "--precision", "fp32", *FORK_TRAINING[script],
-                            "--max_steps_per_epoch", "1", "--epochs", epochs, "--output_dir", str(out)],
-                           cwd=fork, capture_output=True, text=True, env=env, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-    assert "resumed from" in r.stdout, r.stdout[-2000:]
+# Runs each command (script and flags) in this one process, as `python script flags` would, its
+# output after a marker line and its exit code at its end: one interpreter start for the fork.
+RUN_EACH = """
+import json, runpy, sys
+for argv in json.loads(sys.argv[1]):
+    print(f"@@ {argv[0]}", flush=True)
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    print(f"exit {code}", flush=True)
+"""
 
 
-def test_a_fork_without_the_optional_files_evaluates(tmp_path):
-    """eval_knn.py (with --dump_features) and eval_linear.py (resumed) on a random vit_pico."""
+def test_a_fork_without_the_optional_files_trains_resumes_and_evaluates(tmp_path):
+    """Every script in a fork without checks.py and device_crops.py: each method trains an epoch
+    and resumes for a second; eval_knn.py (with --dump_features) and eval_linear.py (resumed) on a
+    random vit_pico."""
     fork = fork_without_optional_files(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    commands = []
+    for script, flags in sorted(FORK_TRAINING.items()):
+        commands += [[script, *SYNTHETIC, "--precision", "fp32", *flags, "--max_steps_per_epoch",
+                      "1", "--epochs", epochs, "--output_dir", str(tmp_path / "runs" / script)]
+                     for epochs in ("1", "2")]
     evaluation = [*SYNTHETIC, "--random_init", "--arch", "vit_pico", "--patch_size", "8",
                   "--resize", "32", "--crop", "32", "--batch_size_per_gpu", "4"]
-    r = subprocess.run([sys.executable, "eval_knn.py", *evaluation, "--nb_knn", "2",
-                        "--dump_features", str(tmp_path / "features")],
-                       cwd=fork, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and "2-NN classifier result" in r.stdout, r.stderr[-2000:]
-    for epochs in ("1", "2"):
-        r = subprocess.run([sys.executable, "eval_linear.py", *evaluation, "--epochs", epochs,
-                            "--output_dir", str(tmp_path / "linear")],
-                           cwd=fork, capture_output=True, text=True, env=env, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-    assert "resumed from" in r.stdout, r.stdout[-2000:]
+    commands.append(["eval_knn.py", *evaluation, "--nb_knn", "2", "--dump_features",
+                     str(tmp_path / "features")])
+    commands += [["eval_linear.py", *evaluation, "--epochs", epochs, "--output_dir",
+                  str(tmp_path / "linear")] for epochs in ("1", "2")]
+    r = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(commands)], cwd=fork,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    outputs = r.stdout.split("@@ ")[1:]
+    assert r.returncode == 0 and len(outputs) == len(commands), r.stderr[-2000:]
+    for command, output in zip(commands, outputs):
+        assert output.startswith(command[0]) and output.endswith("exit 0\n"), r.stderr[-2000:]
+    resumed = [output for command, output in zip(commands, outputs)
+               if "--epochs" in command and command[command.index("--epochs") + 1] == "2"]
+    assert len(resumed) == 6 and all("resumed from" in output for output in resumed)
+    assert "2-NN classifier result" in r.stdout
 
 
 @pytest.mark.parametrize("tool", ["visualize.py", "eval_correspondence.py"])
