@@ -78,7 +78,7 @@ def main(argv=None):
            if not any(changed) else f"changed images per round {changed}")
            + f"; {apart} levels at most from the CPU decoder's"), flush=True)
     if args.out:
-        with open(args.out, "a") as f:
+        with common.open_for_writing(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")
     return 0 if not any(changed) else 1
 

@@ -106,7 +106,7 @@ def run_part(part, rank, port, out):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(part.nproc),
                       GROUP_RANK="0", LOCAL_WORLD_SIZE=str(part.nproc), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), **part.env)
-    with open(out / f"{part.name}.rank{rank}.log", "w") as log:
+    with common.open_for_writing(out / f"{part.name}.rank{rank}.log") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     probe = Probe(*part.sync_window, preempt_at=part.preempt_at)
@@ -131,7 +131,8 @@ def run_part(part, rank, port, out):
         probe.stop_counting()
         if rank == 0:
             report = {"steps": probe.steps, "syncs": probe.syncs}
-            (out / f"{part.name}.json").write_text(json.dumps(report))
+            with common.open_for_writing(out / f"{part.name}.json") as f:
+                f.write(json.dumps(report))
         atexit._run_exitfuncs()  # the script's exit handlers (loader workers), then the buffers
         sys.stdout.flush()
         sys.stderr.flush()
@@ -445,7 +446,8 @@ def main(argv=None):
         print(f"{part.name:23} {codes:5} {'ok' if ok else 'FAILED':7} {text}")
         summary.append({"part": part.name, "ok": ok, "exit": codes, "details": text,
                         "command": part.command(), "figures": figures.get(part.name)})
-    (out / "summary.jsonl").write_text("".join(json.dumps(line) + "\n" for line in summary))
+    with common.open_for_writing(out / "summary.jsonl") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in summary))
     print(f"\n{len(parts) - len(failed)} of {len(parts)} parts passed in "
           f"{(time.time() - start) / 60:.1f} min"
           + (f"; failed: {' '.join(failed)} (docs/FIRST_GPU_RUN.md says what to do)"

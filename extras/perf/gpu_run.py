@@ -181,7 +181,7 @@ def main(argv=None):
     print(header, end="", flush=True)
     deadline = time.time() + (args.budget or (450 if args.device == "cuda" else 1200))
     status = {}
-    with open(text, "a") as log:
+    with common.open_for_writing(text, "a") as log:
         log.write(header)
         for name, cmd in steps(args):
             left = deadline - time.time()
@@ -215,7 +215,7 @@ def record_check(out, docs, started, command, gpu):
     summary = out / "gpu_check" / "summary.jsonl"
     if not summary.exists():
         return
-    with open(docs / "gpu_check.jsonl", "a") as f:
+    with common.open_for_writing(docs / "gpu_check.jsonl", "a") as f:
         for line in summary.read_text().splitlines():
             f.write(json.dumps({**json.loads(line), "device": gpu, "command": command,
                                 **provenance.stamp(started)}) + "\n")

@@ -74,7 +74,8 @@ def write_images(job):
     folder, start, stop, classes, size, quality, seed = job
     for index in range(start, stop):
         path = Path(folder) / f"class{index % classes:02d}" / f"{index:06d}.jpg"
-        draw_image(index, size, seed).save(path, "JPEG", quality=quality)
+        with common.open_for_writing(path, "wb") as f:
+            draw_image(index, size, seed).save(f, "JPEG", quality=quality)
 
 
 def make(cache, images, classes=10, size=500, quality=90, seed=0, processes=None):
@@ -102,8 +103,9 @@ def make(cache, images, classes=10, size=500, quality=90, seed=0, processes=None
         # process with common's preemption handler would take SIGTERM as "checkpoint" and stay
         pool.close()
         pool.join()
-    (partial / MARKER).write_text(json.dumps({**params, "seconds": round(time.time() - start, 1),
-                                              "processes": processes}) + "\n")
+    with common.open_for_writing(partial / MARKER) as f:
+        f.write(json.dumps({**params, "seconds": round(time.time() - start, 1),
+                            "processes": processes}) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     return folder
@@ -233,7 +235,7 @@ def main(argv=None):
     if args.log:
         words = sys.argv[1:] if argv is None else argv
         command = "python extras/perf/jpeg_folder.py " + " ".join(words)
-        with open(args.log, "a") as f:
+        with common.open_for_writing(args.log, "a") as f:
             f.write(json.dumps({**made, **cost, "command": command, **provenance.stamp(started)})
                     + "\n")
 

@@ -398,7 +398,7 @@ def line_text(r):
 def write_line(path, record, started, device, command):
     """Append `record` to the JSON lines at `path`, with the device and its provenance."""
     line = {**record, "device": device, "command": command, **provenance.stamp(started)}
-    with open(path, "a") as f:
+    with common.open_for_writing(path, "a") as f:
         f.write(json.dumps(line) + "\n")
     return line
 
