@@ -17,7 +17,6 @@ import torch
 from conftest import DINO_TINY, EVAL, TINY, one_line_error, run_here
 
 import common
-import eval_knn
 
 DATA = ["--dataset", "synthetic", "--synthetic_images", "40", "--synthetic_image_size", "32"]
 

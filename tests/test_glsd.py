@@ -15,7 +15,6 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import checks  # noqa: E402
-import common  # noqa: E402
 import dino  # noqa: E402
 import esvit  # noqa: E402
 import glsd  # noqa: E402

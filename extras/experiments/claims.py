@@ -137,8 +137,8 @@ def drloc_regime(records):
                          if r["run"].startswith("drloc5k_") and r["phase"] == "val"})
         return ("No paired difference yet (each needs the recipe's λ and λ = 0 with 2 seeds); "
                 f"logged so far: {', '.join(logged) or 'nothing'}.")
-    lines = ["DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, first "
-             "5000 train images:"]
+    lines = ["DRLoc, the recipe's λ minus λ = 0, validation top-1 (points), paired by seed, "
+             "first 5000 train images:"]
     lines += [f"- `{arch}`, {n} epochs{on(data)}: {told(diffs, error('val', (arch, data, n)))}"
               for (arch, data, n), diffs in found.items()]
     lines += [compare(("swin", d, n), ("vit", d, n),
